@@ -1,0 +1,15 @@
+//! kvroute: a KV-cache-aware router for LLM inference, as a proxy-wasm filter for Envoy.
+//!
+//! Everything outside `filter` is pure logic: no host calls, so it is tested natively and
+//! compiled to wasm32 under wasm-bindgen-test. `filter` is the thin proxy-wasm adapter.
+
+pub mod config;
+pub mod hashing;
+pub mod index;
+pub mod load;
+pub mod request;
+pub mod rng;
+pub mod select;
+
+#[cfg(feature = "filter")]
+mod filter;
