@@ -1,1 +1,496 @@
-//! TODO
+//! Plugin configuration: the JSON users put in the Envoy YAML, with documented defaults and
+//! validation errors that name the offending field (`workers[2].endpoint: ...`).
+//!
+//! Unknown keys are rejected: a typo such as `"temprature"` must fail loudly at load time
+//! instead of silently running with the default.
+
+use core::fmt;
+use serde::Deserialize;
+
+/// Upper bound on workers (decode plus prefill); the index's worker sets are sized for it.
+pub const MAX_WORKERS: usize = crate::index::MAX_WORKERS;
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Every worker the router may pick: decode, prefill and combined engines.
+    pub workers: Vec<WorkerConfig>,
+    /// Tokens per KV block; must match the engines' block size (vLLM's default is 16).
+    pub block_size: u32,
+    /// Bytes of prompt text per token, the starting estimate for text prompts; calibrated
+    /// from the `usage.prompt_tokens` workers return.
+    pub chars_per_token: f64,
+    /// Request paths that are parsed and routed; all other requests pass through untouched.
+    pub routes: Vec<String>,
+    /// Models the fleet serves. Empty accepts any model; otherwise a request for another
+    /// model is not cache-routed (it falls back to the least-loaded worker and is counted).
+    pub models: Vec<String>,
+    /// Request header carrying a session id; used only as a tie-breaker seed (optional).
+    pub session_header: Option<String>,
+    pub steering: SteeringConfig,
+    pub scoring: ScoringConfig,
+    pub busy: BusyConfig,
+    pub disaggregation: DisaggConfig,
+    pub index: IndexConfig,
+    pub load: LoadConfig,
+    pub health: HealthConfig,
+    /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
+    pub debug_headers: bool,
+    /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
+    pub seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            workers: Vec::new(),
+            block_size: 16,
+            chars_per_token: 4.0,
+            routes: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            models: Vec::new(),
+            session_header: None,
+            steering: SteeringConfig::default(),
+            scoring: ScoringConfig::default(),
+            busy: BusyConfig::default(),
+            disaggregation: DisaggConfig::default(),
+            index: IndexConfig::default(),
+            load: LoadConfig::default(),
+            health: HealthConfig::default(),
+            debug_headers: false,
+            seed: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Serves whole requests (prefill and decode); the usual aggregated engine.
+    Both,
+    /// Decode side of a disaggregated fleet; chosen like `both`.
+    Decode,
+    /// Prefill pool: only used when the uncached part of a prompt exceeds the threshold.
+    Prefill,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Unique name, used in metrics and debug headers.
+    pub name: String,
+    /// Envoy cluster that reaches this worker (cluster steering). Defaults to `name`.
+    #[serde(default)]
+    pub cluster: Option<String>,
+    /// `host:port` of the worker (endpoint steering, and the decode endpoint named to a
+    /// prefill worker).
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    #[serde(default = "default_role")]
+    pub role: Role,
+    /// KV cache capacity in blocks of `block_size` tokens (vLLM: `num_gpu_blocks`).
+    #[serde(default)]
+    pub kv_blocks: Option<u32>,
+}
+
+fn default_role() -> Role {
+    Role::Both
+}
+
+impl WorkerConfig {
+    pub fn cluster_name(&self) -> &str {
+        self.cluster.as_deref().unwrap_or(&self.name)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SteeringMode {
+    /// Set `header` to the chosen worker's Envoy cluster; the route uses `cluster_header`.
+    Cluster,
+    /// Set `x-gateway-destination-endpoint: ip:port[,fallback]` (Gateway API Inference
+    /// Extension) for ORIGINAL_DST or `override_host` clusters.
+    Endpoint,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SteeringConfig {
+    pub mode: SteeringMode,
+    /// Request header that carries the decision (fixed default `x-kvroute-cluster`; in
+    /// endpoint mode `x-gateway-destination-endpoint`).
+    pub header: Option<String>,
+    /// In endpoint mode, how many fallback endpoints follow the chosen one.
+    pub fallbacks: u32,
+}
+
+impl Default for SteeringConfig {
+    fn default() -> Self {
+        Self { mode: SteeringMode::Cluster, header: None, fallbacks: 2 }
+    }
+}
+
+impl SteeringConfig {
+    pub fn header_name(&self) -> &str {
+        match (&self.header, self.mode) {
+            (Some(h), _) => h,
+            (None, SteeringMode::Cluster) => "x-kvroute-cluster",
+            (None, SteeringMode::Endpoint) => "x-gateway-destination-endpoint",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoringConfig {
+    /// Blocks of prefill work saved per cached block (Dynamo's overlap credit).
+    pub overlap_credit: f64,
+    /// Weight of pending prefill blocks against active decode blocks. Dynamo defaults to 1
+    /// and reports 16-32 best on agentic traces.
+    pub prefill_load_scale: f64,
+    /// Count only the cached prefix as decode blocks until the prefill is done.
+    pub staged_decode: bool,
+    /// 0 picks the lowest cost (random among ties); > 0 samples with softmax over costs.
+    pub temperature: f64,
+    /// Cost per block of fresh content recently written to a worker's cache (decays with
+    /// `cache_balance_half_life_ms`). Spreads unrelated prompts so the fleet's caches add up
+    /// instead of one worker churning while others sit on stale content.
+    pub cache_balance: f64,
+    pub cache_balance_half_life_ms: u64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self {
+            overlap_credit: 1.0,
+            prefill_load_scale: 1.0,
+            staged_decode: false,
+            temperature: 0.0,
+            cache_balance: 0.1,
+            cache_balance_half_life_ms: 60_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BusyConfig {
+    /// A worker reporting at least this KV usage (0..1) is busy. 0 disables.
+    pub kv_usage: f64,
+    /// A worker reporting at least this many waiting requests is busy. 0 disables.
+    pub waiting_requests: u32,
+    /// A worker with this many in-flight requests from this router is busy. 0 disables.
+    pub inflight_requests: u32,
+    /// Reports older than this are ignored.
+    pub report_max_age_ms: u64,
+    /// When every worker is busy: false routes anyway (lowest cost), true answers 429.
+    pub reject_when_all_busy: bool,
+}
+
+impl Default for BusyConfig {
+    fn default() -> Self {
+        Self {
+            kv_usage: 0.98,
+            waiting_requests: 32,
+            inflight_requests: 0,
+            report_max_age_ms: 5_000,
+            reject_when_all_busy: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DisaggMode {
+    /// Steer to the prefill worker; name the decode worker in `decode_header`.
+    Kvroute,
+    /// llm-d's form: steer to the decode worker; name the prefill worker in
+    /// `x-prefiller-host-port`.
+    LlmD,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DisaggConfig {
+    /// Use the prefill pool when the uncached tokens on the chosen worker exceed this.
+    /// 0 disables disaggregation. Dynamo's default is 5000.
+    pub threshold_tokens: u32,
+    pub mode: DisaggMode,
+    pub decode_header: String,
+    pub prefiller_header: String,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        Self {
+            threshold_tokens: 5000,
+            mode: DisaggMode::Kvroute,
+            decode_header: "x-kvroute-decode-endpoint".into(),
+            prefiller_header: "x-prefiller-host-port".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexConfig {
+    /// Index entries not touched for this long count as evicted (Dynamo: 120 s).
+    pub ttl_ms: u64,
+    /// Capacity for workers without `kv_blocks`.
+    pub default_kv_blocks: u32,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self { ttl_ms: 120_000, default_kv_blocks: 16_384 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoadConfig {
+    /// An active request never released (lost response, dead VM) is dropped after this.
+    pub request_ttl_ms: u64,
+    /// Let predicted prefill tokens drain linearly instead of waiting for the first byte.
+    pub prefill_decay: bool,
+    /// Expected prefill speed and fixed overhead, for the decay.
+    pub prefill_tokens_per_s: f64,
+    pub prefill_overhead_ms: u64,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            request_ttl_ms: 600_000,
+            prefill_decay: false,
+            prefill_tokens_per_s: 10_000.0,
+            prefill_overhead_ms: 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// How long a worker that failed (5xx, 429, connect error) is avoided.
+    pub cooldown_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self { cooldown_ms: 5_000 }
+    }
+}
+
+/// A configuration problem, naming the field as a path into the JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid kvroute config: {}", self.message)
+        } else {
+            write!(f, "invalid kvroute config: {}: {}", self.field, self.message)
+        }
+    }
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.into(), message: message.into() }
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration. An empty body means all defaults
+    /// (which then fails validation: at least one worker is required).
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let cfg: Config = serde_json::from_slice(bytes).map_err(|e| {
+            // serde names unknown or mistyped keys in its message; keep it whole.
+            err("", format!("{e}"))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.workers.is_empty() {
+            return Err(err("workers", "at least one worker is required"));
+        }
+        if self.workers.len() > MAX_WORKERS {
+            return Err(err("workers", format!("at most {MAX_WORKERS} workers are supported")));
+        }
+        if !self.workers.iter().any(|w| w.role != Role::Prefill) {
+            return Err(err("workers", "at least one worker must have role \"both\" or \"decode\""));
+        }
+        for (i, w) in self.workers.iter().enumerate() {
+            let at = |k: &str| format!("workers[{i}].{k}");
+            if w.name.trim().is_empty() {
+                return Err(err(at("name"), "must not be empty"));
+            }
+            if let Some(j) = self.workers[..i].iter().position(|o| o.name == w.name) {
+                return Err(err(at("name"), format!("duplicate of workers[{j}].name {:?}", w.name)));
+            }
+            if !is_header_value(w.cluster_name()) {
+                return Err(err(at("cluster"), "must be a non-empty header-safe string"));
+            }
+            if let Some(ep) = &w.endpoint {
+                if !is_host_port(ep) {
+                    return Err(err(at("endpoint"), format!("{ep:?} is not host:port")));
+                }
+            } else if self.steering.mode == SteeringMode::Endpoint {
+                return Err(err(at("endpoint"), "required when steering.mode is \"endpoint\""));
+            } else if self.disaggregation.threshold_tokens > 0
+                && self.workers.iter().any(|o| o.role == Role::Prefill)
+            {
+                // The other side of a prefill/decode pair is named by host:port.
+                return Err(err(at("endpoint"), "required when a prefill pool is configured"));
+            }
+            if w.kv_blocks == Some(0) {
+                return Err(err(at("kv_blocks"), "must be at least 1"));
+            }
+        }
+        if self.block_size == 0 || self.block_size > 4096 {
+            return Err(err("block_size", "must be between 1 and 4096"));
+        }
+        if !(self.chars_per_token.is_finite() && (0.5..=64.0).contains(&self.chars_per_token)) {
+            return Err(err("chars_per_token", "must be between 0.5 and 64"));
+        }
+        if self.routes.is_empty() {
+            return Err(err("routes", "at least one path is required"));
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            if !r.starts_with('/') {
+                return Err(err(format!("routes[{i}]"), "must start with '/'"));
+            }
+        }
+        if !is_header_name(self.steering.header_name()) {
+            return Err(err("steering.header", "must be a lowercase header name"));
+        }
+        let s = &self.scoring;
+        for (name, v) in [
+            ("scoring.overlap_credit", s.overlap_credit),
+            ("scoring.prefill_load_scale", s.prefill_load_scale),
+            ("scoring.temperature", s.temperature),
+            ("scoring.cache_balance", s.cache_balance),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(err(name, "must be a finite number >= 0"));
+            }
+        }
+        if !(self.busy.kv_usage.is_finite() && (0.0..=1.0).contains(&self.busy.kv_usage)) {
+            return Err(err("busy.kv_usage", "must be between 0 and 1"));
+        }
+        for (name, h) in [
+            ("disaggregation.decode_header", &self.disaggregation.decode_header),
+            ("disaggregation.prefiller_header", &self.disaggregation.prefiller_header),
+        ] {
+            if !is_header_name(h) {
+                return Err(err(name, "must be a lowercase header name"));
+            }
+        }
+        if let Some(h) = &self.session_header {
+            if !is_header_name(h) {
+                return Err(err("session_header", "must be a lowercase header name"));
+            }
+        }
+        if self.index.default_kv_blocks == 0 {
+            return Err(err("index.default_kv_blocks", "must be at least 1"));
+        }
+        if self.load.request_ttl_ms == 0 {
+            return Err(err("load.request_ttl_ms", "must be at least 1"));
+        }
+        let tps = self.load.prefill_tokens_per_s;
+        if !(tps.is_finite() && tps > 0.0) {
+            return Err(err("load.prefill_tokens_per_s", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    pub fn kv_blocks(&self, w: &WorkerConfig) -> u32 {
+        w.kv_blocks.unwrap_or(self.index.default_kv_blocks)
+    }
+}
+
+fn is_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn is_header_value(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| (0x21..0x7f).contains(&b))
+}
+
+fn is_host_port(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    !host.is_empty() && is_header_value(host) && port.parse::<u16>().is_ok_and(|p| p > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::from_json(s.as_bytes())
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(r#"{"workers":[{"name":"w1"}]}"#).unwrap();
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.workers[0].cluster_name(), "w1");
+        assert_eq!(c.workers[0].role, Role::Both);
+        assert_eq!(c.steering.header_name(), "x-kvroute-cluster");
+        assert_eq!(c.disaggregation.threshold_tokens, 5000);
+        assert_eq!(c.kv_blocks(&c.workers[0]), 16_384);
+    }
+
+    #[test]
+    fn typo_in_key_is_rejected_by_name() {
+        let e = parse(r#"{"workers":[{"name":"w1"}],"scoring":{"temprature":1}}"#).unwrap_err();
+        assert!(e.to_string().contains("temprature"), "{e}");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#"{}"#, "workers"),
+            (r#"{"workers":[{"name":"a"},{"name":"a"}]}"#, "workers[1].name"),
+            (r#"{"workers":[{"name":"a","endpoint":"nope"}]}"#, "workers[0].endpoint"),
+            (r#"{"workers":[{"name":"a","kv_blocks":0}]}"#, "workers[0].kv_blocks"),
+            (r#"{"workers":[{"name":"a","role":"prefill"}]}"#, "workers"),
+            (r#"{"workers":[{"name":"a"}],"block_size":0}"#, "block_size"),
+            (r#"{"workers":[{"name":"a"}],"busy":{"kv_usage":2}}"#, "busy.kv_usage"),
+            (r#"{"workers":[{"name":"a"}],"scoring":{"temperature":-1}}"#, "scoring.temperature"),
+            (r#"{"workers":[{"name":"a"}],"routes":["v1"]}"#, "routes[0]"),
+            (r#"{"workers":[{"name":"a"}],"steering":{"mode":"endpoint"}}"#, "workers[0].endpoint"),
+            (
+                r#"{"workers":[{"name":"a"},{"name":"p","role":"prefill","endpoint":"h:1"}]}"#,
+                "workers[0].endpoint",
+            ),
+        ];
+        for (json, field) in cases {
+            let e = parse(json).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+            assert!(e.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn endpoint_mode_header_default() {
+        let c = parse(r#"{"workers":[{"name":"a","endpoint":"10.0.0.1:8000"}],"steering":{"mode":"endpoint"}}"#)
+            .unwrap();
+        assert_eq!(c.steering.header_name(), "x-gateway-destination-endpoint");
+    }
+
+    #[test]
+    fn wrong_type_is_an_error_not_a_panic() {
+        assert!(parse(r#"{"workers":"w1"}"#).is_err());
+        assert!(parse(r#"[]"#).is_err());
+        assert!(parse("").is_err());
+        assert!(parse(r#"{"workers":[{"name":"a"}],"disaggregation":{"mode":"sideways"}}"#).is_err());
+    }
+}

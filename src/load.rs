@@ -1,1 +1,492 @@
-//! TODO
+//! Per-worker load as the router predicts it, corrected by what workers report.
+//!
+//! The load is charged at pick time (so a burst of identical requests sees its own earlier
+//! picks and spreads), the prefill part is released at the first response byte, the rest when
+//! the request ends. Every active entry carries an expiry, because a lost response or a dead
+//! VM would otherwise leak load forever.
+
+use crate::index::WorkerId;
+use hashbrown::HashMap;
+
+/// Globally unique across Envoy threads: the replicating VM's id sits in the high bits.
+pub type RequestId = u64;
+
+/// What a worker told us about itself (ORCA `endpoint-load-metrics`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Report {
+    pub kv_usage: f32,
+    pub waiting: u32,
+    pub running: Option<u32>,
+    pub at_ms: u64,
+}
+
+/// A routing decision to charge.
+#[derive(Debug, Clone)]
+pub struct NewRequest<'a> {
+    pub id: RequestId,
+    /// Worker that holds the KV blocks while the request decodes.
+    pub worker: WorkerId,
+    /// Worker that computes the prefill when it is not `worker` (disaggregation).
+    pub prefill_worker: Option<WorkerId>,
+    /// Hashes of the prompt's full blocks.
+    pub blocks: &'a [u64],
+    /// Leading blocks already cached on the prefill side.
+    pub cached_blocks: u32,
+    /// Blocks beyond the hashed ones (partial tail, expected output); never shared.
+    pub tail_blocks: u32,
+    /// Prompt tokens the prefill worker has to compute.
+    pub prefill_tokens: u32,
+    pub now_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadParams {
+    pub request_ttl_ms: u64,
+    pub prefill_decay: bool,
+    pub prefill_tokens_per_s: f64,
+    pub prefill_overhead_ms: u64,
+    pub staged_decode: bool,
+    pub fresh_half_life_ms: u64,
+}
+
+impl Default for LoadParams {
+    fn default() -> Self {
+        Self {
+            request_ttl_ms: 600_000,
+            prefill_decay: false,
+            prefill_tokens_per_s: 10_000.0,
+            prefill_overhead_ms: 20,
+            staged_decode: false,
+            fresh_half_life_ms: 60_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Active {
+    worker: WorkerId,
+    prefill_worker: WorkerId,
+    blocks: Vec<u64>,
+    /// Blocks of `blocks` charged to `worker` so far (all of them unless staged and pending).
+    charged: usize,
+    tail_blocks: u32,
+    prefill_tokens: u32,
+    prefill_pending: bool,
+    prefill_start_ms: u64,
+    prefill_dur_ms: u64,
+    expires_ms: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct WorkerLoad {
+    inflight: u32,
+    prefill_tokens: u64,
+    /// Requests whose prefill is pending on this worker, in pick order (oldest first).
+    pending: Vec<RequestId>,
+    prefill_horizon_ms: u64,
+    /// Active prompt blocks with the number of requests holding each: shared prefixes
+    /// count once, as they do in the engine's paged KV cache.
+    block_refs: HashMap<u64, u32>,
+    private_blocks: u64,
+    report: Option<Report>,
+    unhealthy_until_ms: u64,
+    failures: u32,
+    fresh_blocks: f64,
+    fresh_at_ms: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct LoadTable {
+    params: LoadParams,
+    workers: Vec<WorkerLoad>,
+    active: HashMap<RequestId, Active>,
+}
+
+/// A read-only view of one worker's load at a point in time, for selection and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct WorkerView {
+    pub inflight: u32,
+    /// Predicted prefill tokens still to compute (decayed when enabled).
+    pub prefill_tokens: f64,
+    pub active_blocks: u64,
+    pub fresh_blocks: f64,
+    pub healthy: bool,
+    /// Latest report if it is younger than the age limit asked for.
+    pub report: Option<Report>,
+}
+
+impl LoadTable {
+    pub fn new(workers: usize, params: LoadParams) -> Self {
+        Self { params, workers: vec![WorkerLoad::default(); workers], active: HashMap::new() }
+    }
+
+    pub fn params(&self) -> &LoadParams {
+        &self.params
+    }
+
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn active_requests(&self) -> usize {
+        self.active.len()
+    }
+
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.active.contains_key(&id)
+    }
+
+    /// Charges a routing decision. A duplicate id (a replayed event) is ignored.
+    pub fn add(&mut self, r: &NewRequest<'_>) -> bool {
+        let n = self.workers.len();
+        let prefill_worker = r.prefill_worker.unwrap_or(r.worker);
+        if usize::from(r.worker) >= n || usize::from(prefill_worker) >= n || self.active.contains_key(&r.id) {
+            return false;
+        }
+        let p = self.params;
+        let cached = (r.cached_blocks as usize).min(r.blocks.len());
+        let charged = if p.staged_decode && r.prefill_tokens > 0 { cached } else { r.blocks.len() };
+        let pending = r.prefill_tokens > 0;
+        let mut start = r.now_ms;
+        let mut dur = 0;
+        if let Some(pw) = self.workers.get_mut(usize::from(prefill_worker)) {
+            if pending {
+                // Prefills run one after another on a worker: this one starts when the
+                // previously predicted ones are done (oldest first).
+                start = r.now_ms.max(pw.prefill_horizon_ms);
+                dur = p.prefill_overhead_ms
+                    + (f64::from(r.prefill_tokens) * 1000.0 / p.prefill_tokens_per_s) as u64;
+                pw.prefill_horizon_ms = start.saturating_add(dur);
+                pw.prefill_tokens += u64::from(r.prefill_tokens);
+                pw.pending.push(r.id);
+            }
+        }
+        let fresh = (r.blocks.len() - cached) as f64 + f64::from(r.tail_blocks);
+        if let Some(w) = self.workers.get_mut(usize::from(r.worker)) {
+            w.inflight += 1;
+            w.private_blocks += u64::from(r.tail_blocks);
+            for h in r.blocks.iter().take(charged) {
+                *w.block_refs.entry(*h).or_insert(0) += 1;
+            }
+            let decayed = decay(w.fresh_blocks, w.fresh_at_ms, r.now_ms, p.fresh_half_life_ms);
+            w.fresh_blocks = decayed + fresh;
+            w.fresh_at_ms = w.fresh_at_ms.max(r.now_ms);
+        }
+        self.active.insert(
+            r.id,
+            Active {
+                worker: r.worker,
+                prefill_worker,
+                blocks: r.blocks.to_vec(),
+                charged,
+                tail_blocks: r.tail_blocks,
+                prefill_tokens: r.prefill_tokens,
+                prefill_pending: pending,
+                prefill_start_ms: start,
+                prefill_dur_ms: dur,
+                expires_ms: r.now_ms.saturating_add(p.request_ttl_ms),
+            },
+        );
+        true
+    }
+
+    /// The first output byte arrived: the prompt is computed and its blocks are resident.
+    pub fn prefill_done(&mut self, id: RequestId) -> bool {
+        let Some(a) = self.active.get_mut(&id) else { return false };
+        if !a.prefill_pending {
+            return false;
+        }
+        a.prefill_pending = false;
+        if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
+            pw.prefill_tokens = pw.prefill_tokens.saturating_sub(u64::from(a.prefill_tokens));
+            pw.pending.retain(|x| *x != id);
+            if pw.pending.is_empty() {
+                pw.prefill_horizon_ms = 0;
+            }
+        }
+        if a.charged < a.blocks.len() {
+            if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
+                for h in a.blocks.iter().skip(a.charged) {
+                    *w.block_refs.entry(*h).or_insert(0) += 1;
+                }
+            }
+            a.charged = a.blocks.len();
+        }
+        true
+    }
+
+    /// The request ended (or failed): release everything it holds.
+    pub fn free(&mut self, id: RequestId) -> bool {
+        if !self.active.contains_key(&id) {
+            return false;
+        }
+        self.prefill_done(id);
+        let Some(a) = self.active.remove(&id) else { return false };
+        if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
+            w.inflight = w.inflight.saturating_sub(1);
+            w.private_blocks = w.private_blocks.saturating_sub(u64::from(a.tail_blocks));
+            for h in a.blocks.iter().take(a.charged) {
+                if let Some(c) = w.block_refs.get_mut(h) {
+                    *c -= 1;
+                    if *c == 0 {
+                        w.block_refs.remove(h);
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Releases requests past their TTL; returns how many.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        let dead: Vec<RequestId> =
+            self.active.iter().filter(|(_, a)| a.expires_ms <= now_ms).map(|(id, _)| *id).collect();
+        for id in &dead {
+            self.free(*id);
+        }
+        dead.len()
+    }
+
+    pub fn report(&mut self, w: WorkerId, r: Report) {
+        if let Some(wl) = self.workers.get_mut(usize::from(w)) {
+            if wl.report.is_none_or(|old| old.at_ms <= r.at_ms) {
+                wl.report = Some(r);
+            }
+        }
+    }
+
+    /// A failure (5xx, 429, connect error) puts the worker on cooldown.
+    pub fn mark_failed(&mut self, w: WorkerId, now_ms: u64, cooldown_ms: u64) {
+        if let Some(wl) = self.workers.get_mut(usize::from(w)) {
+            wl.failures = wl.failures.saturating_add(1);
+            wl.unhealthy_until_ms = wl.unhealthy_until_ms.max(now_ms.saturating_add(cooldown_ms));
+        }
+    }
+
+    /// A success ends a cooldown early: the worker demonstrably answers again.
+    pub fn mark_ok(&mut self, w: WorkerId) {
+        if let Some(wl) = self.workers.get_mut(usize::from(w)) {
+            wl.failures = 0;
+            wl.unhealthy_until_ms = 0;
+        }
+    }
+
+    pub fn view(&self, w: WorkerId, now_ms: u64, report_max_age_ms: u64) -> WorkerView {
+        let Some(wl) = self.workers.get(usize::from(w)) else { return WorkerView::default() };
+        WorkerView {
+            inflight: wl.inflight,
+            prefill_tokens: self.effective_prefill(wl, now_ms),
+            active_blocks: wl.block_refs.len() as u64 + wl.private_blocks,
+            fresh_blocks: decay(wl.fresh_blocks, wl.fresh_at_ms, now_ms, self.params.fresh_half_life_ms),
+            healthy: wl.unhealthy_until_ms <= now_ms,
+            report: wl.report.filter(|r| now_ms.saturating_sub(r.at_ms) <= report_max_age_ms),
+        }
+    }
+
+    fn effective_prefill(&self, wl: &WorkerLoad, now_ms: u64) -> f64 {
+        if !self.params.prefill_decay {
+            return wl.prefill_tokens as f64;
+        }
+        wl.pending
+            .iter()
+            .filter_map(|id| self.active.get(id))
+            .map(|a| {
+                let elapsed = now_ms.saturating_sub(a.prefill_start_ms) as f64;
+                let left = if a.prefill_dur_ms == 0 { 0.0 } else { 1.0 - elapsed / a.prefill_dur_ms as f64 };
+                f64::from(a.prefill_tokens) * left.clamp(0.0, 1.0)
+            })
+            .sum()
+    }
+
+    /// Totals across workers, for tests and metrics: (inflight, prefill tokens, active blocks).
+    pub fn totals(&self) -> (u64, u64, u64) {
+        self.workers.iter().fold((0, 0, 0), |(i, p, b), w| {
+            (i + u64::from(w.inflight), p + w.prefill_tokens, b + w.block_refs.len() as u64 + w.private_blocks)
+        })
+    }
+}
+
+fn decay(value: f64, at_ms: u64, now_ms: u64, half_life_ms: u64) -> f64 {
+    if half_life_ms == 0 || value == 0.0 {
+        return 0.0;
+    }
+    let dt = now_ms.saturating_sub(at_ms) as f64;
+    value * (-dt / half_life_ms as f64 * core::f64::consts::LN_2).exp()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn req(id: RequestId, w: WorkerId, blocks: &[u64], cached: u32, tokens: u32, now: u64) -> NewRequest<'_> {
+        NewRequest {
+            id,
+            worker: w,
+            prefill_worker: None,
+            blocks,
+            cached_blocks: cached,
+            tail_blocks: 1,
+            prefill_tokens: tokens,
+            now_ms: now,
+        }
+    }
+
+    #[test]
+    fn shared_prefix_blocks_count_once_and_everything_returns_to_zero() {
+        let mut t = LoadTable::new(2, LoadParams::default());
+        let a = [1, 2, 3, 4];
+        let b = [1, 2, 9];
+        assert!(t.add(&req(1, 0, &a, 0, 64, 0)));
+        assert!(t.add(&req(2, 0, &b, 2, 16, 0)));
+        let v = t.view(0, 0, 1000);
+        assert_eq!(v.inflight, 2);
+        assert_eq!(v.active_blocks, 5 + 2); // {1,2,3,4,9} + two private tails
+        assert_eq!(v.prefill_tokens, 80.0);
+        assert!(t.prefill_done(1));
+        assert!(!t.prefill_done(1), "second prefill_done is a no-op");
+        assert_eq!(t.view(0, 0, 1000).prefill_tokens, 16.0);
+        assert!(t.free(1));
+        assert_eq!(t.view(0, 0, 1000).active_blocks, 3 + 1);
+        assert!(t.free(2));
+        assert!(!t.free(2));
+        assert_eq!(t.totals(), (0, 0, 0));
+        assert_eq!(t.active_requests(), 0);
+    }
+
+    #[test]
+    fn duplicate_and_out_of_range_are_ignored() {
+        let mut t = LoadTable::new(1, LoadParams::default());
+        assert!(t.add(&req(1, 0, &[1], 0, 16, 0)));
+        assert!(!t.add(&req(1, 0, &[1], 0, 16, 0)));
+        assert!(!t.add(&req(2, 5, &[1], 0, 16, 0)));
+        assert_eq!(t.view(0, 0, 0).inflight, 1);
+        assert_eq!(t.view(9, 0, 0), WorkerView::default());
+    }
+
+    #[test]
+    fn staged_decode_moves_suffix_at_prefill_done() {
+        let p = LoadParams { staged_decode: true, ..LoadParams::default() };
+        let mut t = LoadTable::new(1, p);
+        let r = NewRequest { tail_blocks: 0, ..req(1, 0, &[1, 2, 3, 4], 1, 48, 0) };
+        t.add(&r);
+        assert_eq!(t.view(0, 0, 0).active_blocks, 1);
+        t.prefill_done(1);
+        assert_eq!(t.view(0, 0, 0).active_blocks, 4);
+        t.free(1);
+        assert_eq!(t.totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn disaggregated_request_charges_prefill_and_decode_sides() {
+        let mut t = LoadTable::new(2, LoadParams::default());
+        let r = NewRequest { prefill_worker: Some(1), ..req(1, 0, &[1, 2], 0, 32, 0) };
+        t.add(&r);
+        assert_eq!(t.view(1, 0, 0).prefill_tokens, 32.0);
+        assert_eq!(t.view(1, 0, 0).inflight, 0);
+        assert_eq!(t.view(0, 0, 0).prefill_tokens, 0.0);
+        assert_eq!(t.view(0, 0, 0).inflight, 1);
+        t.free(1);
+        assert_eq!(t.totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn prefill_decays_oldest_first() {
+        let p = LoadParams {
+            prefill_decay: true,
+            prefill_tokens_per_s: 1000.0,
+            prefill_overhead_ms: 0,
+            ..LoadParams::default()
+        };
+        let mut t = LoadTable::new(1, p);
+        t.add(&req(1, 0, &[1], 0, 1000, 0)); // 1 s of prefill: [0, 1000)
+        t.add(&req(2, 0, &[2], 0, 1000, 0)); // queued behind it: [1000, 2000)
+        assert_eq!(t.view(0, 0, 0).prefill_tokens, 2000.0);
+        assert_eq!(t.view(0, 500, 0).prefill_tokens, 1500.0);
+        assert_eq!(t.view(0, 1500, 0).prefill_tokens, 500.0);
+        assert_eq!(t.view(0, 5000, 0).prefill_tokens, 0.0);
+    }
+
+    #[test]
+    fn ttl_expiry_releases_lost_requests() {
+        let p = LoadParams { request_ttl_ms: 100, ..LoadParams::default() };
+        let mut t = LoadTable::new(1, p);
+        t.add(&req(1, 0, &[1], 0, 16, 0));
+        t.add(&req(2, 0, &[2], 0, 16, 50));
+        assert_eq!(t.expire(99), 0);
+        assert_eq!(t.expire(100), 1);
+        assert!(t.contains(2));
+        assert_eq!(t.expire(150), 1);
+        assert_eq!(t.totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn health_cooldown_and_report_age() {
+        let mut t = LoadTable::new(1, LoadParams::default());
+        t.mark_failed(0, 1000, 500);
+        assert!(!t.view(0, 1200, 0).healthy);
+        assert!(t.view(0, 1500, 0).healthy);
+        t.mark_failed(0, 2000, 500);
+        t.mark_ok(0);
+        assert!(t.view(0, 2000, 0).healthy);
+        t.report(0, Report { kv_usage: 0.5, waiting: 3, running: None, at_ms: 100 });
+        t.report(0, Report { kv_usage: 0.9, waiting: 0, running: None, at_ms: 50 }); // older: ignored
+        assert_eq!(t.view(0, 200, 1000).report.map(|r| r.waiting), Some(3));
+        assert_eq!(t.view(0, 2000, 1000).report, None);
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add { w: u16, blocks: Vec<u64>, cached: u32, tokens: u32 },
+        PrefillDone(usize),
+        Free(usize),
+        Expire(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u16..4, prop::collection::vec(0u64..12, 0..8), 0u32..8, 0u32..200)
+                .prop_map(|(w, blocks, cached, tokens)| Op::Add { w, blocks, cached, tokens }),
+            (0usize..40).prop_map(Op::PrefillDone),
+            (0usize..40).prop_map(Op::Free),
+            (0u64..50).prop_map(Op::Expire),
+        ]
+    }
+
+    proptest! {
+        /// Whatever the order of events, releasing everything returns every counter to zero,
+        /// and active blocks always equal the distinct charged blocks per worker.
+        #[test]
+        fn bookkeeping_returns_to_zero(ops in prop::collection::vec(op(), 0..60), staged in any::<bool>(), decay in any::<bool>()) {
+            let p = LoadParams { staged_decode: staged, prefill_decay: decay, request_ttl_ms: 30, ..LoadParams::default() };
+            let mut t = LoadTable::new(4, p);
+            let mut now = 0;
+            let mut next = 0u64;
+            for o in ops {
+                match o {
+                    Op::Add { w, blocks, cached, tokens } => {
+                        next += 1;
+                        t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: &blocks, cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now });
+                    }
+                    Op::PrefillDone(i) => { t.prefill_done(i as u64); }
+                    Op::Free(i) => { t.free(i as u64); }
+                    Op::Expire(dt) => { now += dt; t.expire(now); }
+                }
+                for w in 0..4 {
+                    let v = t.view(w, now, 0);
+                    prop_assert!(v.prefill_tokens >= 0.0);
+                }
+            }
+            t.expire(u64::MAX);
+            prop_assert_eq!(t.totals(), (0, 0, 0));
+            for w in 0..4 { prop_assert_eq!(t.view(w, now, 0).prefill_tokens, 0.0); }
+        }
+    }
+}

@@ -1,1 +1,382 @@
-//! TODO
+//! Worker selection: Dynamo's cost over cached overlap and predicted load, busy thresholds,
+//! health, and seeded sampling.
+//!
+//! Cost, in KV blocks (lower wins):
+//!   prefill = max(0, (pending_prefill_tokens + prompt_tokens) / block_size - credit * overlap)
+//!   decode  = max(active_blocks, reported_kv_usage * kv_blocks) + blocks the request adds
+//!   cost    = prefill_load_scale * prefill + decode + cache_balance * recently_written_blocks
+//! A long cached prefix wins against a small load difference (affinity), and load wins
+//! against a short shared prefix because each pick is charged to the worker at once.
+
+use crate::index::WorkerId;
+use crate::load::WorkerView;
+use crate::rng::Rng;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SelectParams {
+    pub block_size: u32,
+    pub overlap_credit: f64,
+    pub prefill_load_scale: f64,
+    pub staged_decode: bool,
+    pub temperature: f64,
+    pub cache_balance: f64,
+    pub busy_kv_usage: f64,
+    pub busy_waiting: u32,
+    pub busy_inflight: u32,
+    pub reject_when_all_busy: bool,
+}
+
+impl Default for SelectParams {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            overlap_credit: 1.0,
+            prefill_load_scale: 1.0,
+            staged_decode: false,
+            temperature: 0.0,
+            cache_balance: 0.1,
+            busy_kv_usage: 0.98,
+            busy_waiting: 32,
+            busy_inflight: 0,
+            reject_when_all_busy: false,
+        }
+    }
+}
+
+/// The request as selection sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RequestShape {
+    /// Estimated (or exact) prompt tokens, all of them.
+    pub prompt_tokens: u32,
+    /// Blocks the request occupies in KV: the prompt rounded up plus its expected output.
+    /// The output part is private to the request, which is what makes identical fully
+    /// cached requests still add load.
+    pub total_blocks: u32,
+}
+
+/// One worker that may take the request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    pub id: WorkerId,
+    /// Leading prompt blocks the worker holds.
+    pub overlap_blocks: u32,
+    pub kv_blocks: u32,
+    pub load: WorkerView,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    pub id: WorkerId,
+    pub cost: f64,
+    pub overlap_blocks: u32,
+    /// Every healthy candidate was over a busy threshold.
+    pub all_busy: bool,
+    /// No candidate was healthy; the pick ignored health (fail open).
+    pub none_healthy: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Outcome {
+    Picked(Pick),
+    /// Every worker is busy and the config asks to shed load.
+    Rejected,
+    NoCandidates,
+}
+
+pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
+    let bs = f64::from(p.block_size.max(1));
+    let overlap = f64::from(c.overlap_blocks.min(r.total_blocks));
+    let prefill = ((c.load.prefill_tokens + f64::from(r.prompt_tokens)) / bs - p.overlap_credit * overlap).max(0.0);
+    let reported = c
+        .load
+        .report
+        .map(|rep| f64::from(rep.kv_usage).clamp(0.0, 1.0) * f64::from(c.kv_blocks))
+        .unwrap_or(0.0);
+    // Staged: while its prefill is pending the request adds only blocks that already exist.
+    let new_blocks = if p.staged_decode { 0.0 } else { f64::from(r.total_blocks) - overlap };
+    let decode = (c.load.active_blocks as f64).max(reported) + new_blocks;
+    p.prefill_load_scale * prefill + decode + p.cache_balance * c.load.fresh_blocks
+}
+
+pub fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
+    if p.busy_inflight > 0 && c.load.inflight >= p.busy_inflight {
+        return true;
+    }
+    match c.load.report {
+        Some(rep) => {
+            (p.busy_kv_usage > 0.0 && f64::from(rep.kv_usage) >= p.busy_kv_usage)
+                || (p.busy_waiting > 0 && rep.waiting >= p.busy_waiting)
+        }
+        None => false,
+    }
+}
+
+/// Picks among `cands`: healthy and not busy first, then healthy busy ones (unless the
+/// config sheds load), then anyone (fail open: a request is better tried than dropped).
+pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut Rng) -> Outcome {
+    if cands.is_empty() {
+        return Outcome::NoCandidates;
+    }
+    let any_healthy = cands.iter().any(|c| c.load.healthy);
+    let any_free = cands.iter().any(|c| c.load.healthy && !is_busy(p, c));
+    if any_healthy && !any_free && p.reject_when_all_busy {
+        return Outcome::Rejected;
+    }
+    let eligible = |c: &Candidate| {
+        if any_free {
+            c.load.healthy && !is_busy(p, c)
+        } else {
+            !any_healthy || c.load.healthy
+        }
+    };
+    let mut best: Vec<(usize, f64)> = Vec::with_capacity(cands.len());
+    for (i, c) in cands.iter().enumerate() {
+        if eligible(c) {
+            best.push((i, cost(p, c, r)));
+        }
+    }
+    let Some(i) = choose(p.temperature, &best, rng) else { return Outcome::NoCandidates };
+    let Some(c) = cands.get(i) else { return Outcome::NoCandidates };
+    let cost = best.iter().find(|(j, _)| *j == i).map(|(_, c)| *c).unwrap_or(0.0);
+    Outcome::Picked(Pick {
+        id: c.id,
+        cost,
+        overlap_blocks: c.overlap_blocks,
+        all_busy: any_healthy && !any_free,
+        none_healthy: !any_healthy,
+    })
+}
+
+/// Index into `scored` chosen by lowest cost (uniform among ties) or, with a temperature,
+/// by sampling `exp(-(c - min) / ((max - min) * T))`.
+fn choose(temperature: f64, scored: &[(usize, f64)], rng: &mut Rng) -> Option<usize> {
+    let min = scored.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+    let max = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+    if !min.is_finite() {
+        return None;
+    }
+    let spread = max - min;
+    if temperature > 0.0 && spread > 0.0 {
+        let weight = |c: f64| (-(c - min) / (spread * temperature)).exp();
+        let total: f64 = scored.iter().map(|s| weight(s.1)).sum();
+        let mut x = rng.next_f64() * total;
+        for s in scored {
+            x -= weight(s.1);
+            if x <= 0.0 {
+                return Some(s.0);
+            }
+        }
+        return scored.last().map(|s| s.0);
+    }
+    // Costs are sums of block counts; anything this close is the same cost.
+    let tol = 1e-6 * min.abs().max(1.0);
+    let ties = scored.iter().filter(|s| s.1 - min <= tol).count();
+    let k = rng.below(ties);
+    scored.iter().filter(|s| s.1 - min <= tol).nth(k).map(|s| s.0)
+}
+
+/// Tokens the chosen worker would have to compute: the disaggregation input.
+pub fn uncached_tokens(prompt_tokens: u32, overlap_blocks: u32, block_size: u32) -> u32 {
+    prompt_tokens.saturating_sub(overlap_blocks.saturating_mul(block_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::{LoadParams, LoadTable, NewRequest, Report};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn cand(id: u16, overlap: u32, load: WorkerView) -> Candidate {
+        Candidate { id, overlap_blocks: overlap, kv_blocks: 1000, load }
+    }
+
+    fn idle() -> WorkerView {
+        WorkerView { healthy: true, ..WorkerView::default() }
+    }
+
+    fn shape(tokens: u32) -> RequestShape {
+        RequestShape { prompt_tokens: tokens, total_blocks: tokens.div_ceil(16) }
+    }
+
+    fn picked(o: Outcome) -> Pick {
+        match o {
+            Outcome::Picked(p) => p,
+            other => panic!("expected a pick, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn repeat_prefix_returns_to_its_worker_when_loads_are_equal() {
+        let p = SelectParams::default();
+        for seed in 0..20 {
+            let cands = [cand(0, 0, idle()), cand(1, 100, idle()), cand(2, 0, idle())];
+            assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(seed))).id, 1);
+        }
+    }
+
+    #[test]
+    fn affinity_beats_a_small_idle_difference() {
+        let p = SelectParams::default();
+        let busyish = WorkerView { inflight: 1, active_blocks: 20, prefill_tokens: 0.0, healthy: true, ..idle() };
+        let cands = [cand(0, 0, idle()), cand(1, 90, busyish)];
+        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id, 1);
+    }
+
+    #[test]
+    fn load_beats_a_short_shared_prefix() {
+        let p = SelectParams::default();
+        let loaded = WorkerView { inflight: 4, active_blocks: 400, prefill_tokens: 3000.0, healthy: true, ..idle() };
+        let cands = [cand(0, 2, loaded), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id, 1);
+    }
+
+    #[test]
+    fn ties_are_broken_randomly_across_workers() {
+        let p = SelectParams::default();
+        let cands = [cand(0, 0, idle()), cand(1, 0, idle()), cand(2, 0, idle()), cand(3, 0, idle())];
+        let mut rng = Rng::new(11);
+        let mut seen = [0u32; 4];
+        for _ in 0..400 {
+            seen[usize::from(picked(pick(&p, &cands, &shape(100), &mut rng)).id)] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 60), "{seen:?}");
+    }
+
+    /// 32 identical requests arrive before any finishes; each pick is charged at once, so the
+    /// burst spreads once the load outweighs the shared prefix.
+    #[test]
+    fn burst_of_identical_requests_spreads() {
+        let p = SelectParams::default();
+        let mut t = LoadTable::new(4, LoadParams::default());
+        let blocks: Vec<u64> = (0..128).collect();
+        // Worker 0 has served this prompt before; a pick records the prompt on its worker.
+        let mut overlap = [128u32, 0, 0, 0];
+        let mut rng = Rng::new(5);
+        let mut per = [0u32; 4];
+        // 2048 prompt tokens plus 256 expected output tokens.
+        let r = RequestShape { prompt_tokens: 2048, total_blocks: 128 + 16 };
+        for id in 0..32u64 {
+            let cands: Vec<Candidate> =
+                (0..4u16).map(|w| cand(w, overlap[usize::from(w)], t.view(w, 0, 0))).collect();
+            let pk = picked(pick(&p, &cands, &r, &mut rng));
+            per[usize::from(pk.id)] += 1;
+            overlap[usize::from(pk.id)] = 128;
+            let cached = pk.overlap_blocks;
+            t.add(&NewRequest {
+                id,
+                worker: pk.id,
+                prefill_worker: None,
+                blocks: &blocks,
+                cached_blocks: cached,
+                tail_blocks: 16,
+                prefill_tokens: uncached_tokens(2048, cached, 16),
+                now_ms: 0,
+            });
+        }
+        assert!(per.iter().all(|&n| n > 0), "every worker takes part: {per:?}");
+        assert!(per.iter().all(|&n| n < 24), "no worker takes almost all: {per:?}");
+        assert!(per[0] >= per[1], "the warm worker takes at least its share: {per:?}");
+    }
+
+    /// Sequential requests sharing only a short prefix: nothing is in flight, so without a
+    /// balancing term every one of them would go to the worker holding the shared block.
+    #[test]
+    fn short_shared_prefix_does_not_attract_everything() {
+        let p = SelectParams::default();
+        let mut t = LoadTable::new(4, LoadParams::default());
+        let mut rng = Rng::new(9);
+        let mut per = [0u32; 4];
+        for id in 0..40u64 {
+            // Every prompt: 1 shared block then 99 of its own; worker 0 held the shared block.
+            let blocks: Vec<u64> = core::iter::once(7).chain((0..99).map(|i| id * 1000 + i)).collect();
+            let now = id * 1000;
+            let cands: Vec<Candidate> =
+                (0..4u16).map(|w| cand(w, u32::from(w == 0), t.view(w, now, 0))).collect();
+            let pk = picked(pick(&p, &cands, &shape(1600), &mut rng));
+            per[usize::from(pk.id)] += 1;
+            t.add(&NewRequest {
+                id,
+                worker: pk.id,
+                prefill_worker: None,
+                blocks: &blocks,
+                cached_blocks: pk.overlap_blocks,
+                tail_blocks: 0,
+                prefill_tokens: 1600,
+                now_ms: now,
+            });
+            t.free(id); // finished before the next one arrives
+        }
+        assert!(per.iter().all(|&n| n >= 5), "{per:?}");
+    }
+
+    #[test]
+    fn unhealthy_and_busy_workers_are_avoided_but_fail_open() {
+        let p = SelectParams { busy_waiting: 4, ..SelectParams::default() };
+        let sick = WorkerView { healthy: false, ..idle() };
+        let busy = WorkerView {
+            report: Some(Report { kv_usage: 0.1, waiting: 9, running: None, at_ms: 0 }),
+            ..idle()
+        };
+        let mut rng = Rng::new(1);
+        let warm_sick = [cand(0, 100, sick), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &warm_sick, &shape(1600), &mut rng)).id, 1);
+        let warm_busy = [cand(0, 100, busy), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &warm_busy, &shape(1600), &mut rng)).id, 1);
+        let all_sick = [cand(0, 100, sick), cand(1, 0, sick)];
+        let pk = picked(pick(&p, &all_sick, &shape(1600), &mut rng));
+        assert!(pk.none_healthy);
+        assert_eq!(pk.id, 0);
+        let all_busy = [cand(0, 100, busy)];
+        assert!(picked(pick(&p, &all_busy, &shape(1600), &mut rng)).all_busy);
+        let shed = SelectParams { reject_when_all_busy: true, ..p };
+        assert_eq!(pick(&shed, &all_busy, &shape(1600), &mut rng), Outcome::Rejected);
+        assert_eq!(pick(&p, &[], &shape(1), &mut rng), Outcome::NoCandidates);
+    }
+
+    #[test]
+    fn reported_kv_usage_raises_cost() {
+        let p = SelectParams::default();
+        let reported = WorkerView {
+            report: Some(Report { kv_usage: 0.9, waiting: 0, running: None, at_ms: 0 }),
+            ..idle()
+        };
+        // Another gateway filled worker 0; our own table thinks it is idle.
+        let cands = [cand(0, 10, reported), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(2))).id, 1);
+    }
+
+    #[test]
+    fn temperature_samples_but_prefers_cheap() {
+        let p = SelectParams { temperature: 0.5, ..SelectParams::default() };
+        let loaded = WorkerView { active_blocks: 500, ..idle() };
+        let cands = [cand(0, 0, idle()), cand(1, 0, loaded)];
+        let mut rng = Rng::new(4);
+        let mut cheap = 0;
+        for _ in 0..1000 {
+            if picked(pick(&p, &cands, &shape(160), &mut rng)).id == 0 {
+                cheap += 1;
+            }
+        }
+        // weights 1 and e^-2: P(cheap) = 1 / (1 + 0.135) = 0.88
+        assert!((830..930).contains(&cheap), "{cheap}");
+    }
+
+    #[test]
+    fn staged_decode_still_prefers_the_cached_worker() {
+        let p = SelectParams { staged_decode: true, cache_balance: 0.0, ..SelectParams::default() };
+        let r = shape(1600);
+        let cold = cost(&p, &cand(0, 0, idle()), &r);
+        let warm = cost(&p, &cand(1, 100, idle()), &r);
+        assert!(warm < cold);
+        let q = SelectParams { staged_decode: false, cache_balance: 0.0, ..SelectParams::default() };
+        assert!(cost(&q, &cand(1, 100, idle()), &r) < cost(&q, &cand(0, 0, idle()), &r));
+    }
+
+    #[test]
+    fn uncached_tokens_saturates() {
+        assert_eq!(uncached_tokens(1000, 10, 16), 840);
+        assert_eq!(uncached_tokens(100, 10, 16), 0);
+        assert_eq!(uncached_tokens(100, u32::MAX, 16), 0);
+    }
+}
