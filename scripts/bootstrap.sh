@@ -27,9 +27,14 @@ has_rustup_targets() {
 
 debian_src() { ls -d /usr/src/rustc-*/library 2>/dev/null | sort -V | tail -n 1; }
 
+# Debian's rustc expects `rust-lld`, which it does not ship; LLVM's wasm-ld is the same linker.
+wasm_linker() {
+    command -v rust-lld 2>/dev/null || ls /usr/lib/llvm-*/bin/wasm-ld 2>/dev/null | sort -V | tail -n 1
+}
+
 has_debian_recipe() {
     [ -x /usr/bin/rustc ] && [ -x /usr/bin/cargo ] && [ -n "$(debian_src)" ] \
-        && [ -d /usr/lib/wasm32-wasi ] && ls /usr/bin/lld-* >/dev/null 2>&1
+        && [ -d /usr/lib/wasm32-wasi ] && [ -n "$(wasm_linker)" ]
 }
 
 install_debian_recipe() {
@@ -56,17 +61,18 @@ write_debian() {
     cat >"$out" <<EOF
 # written by scripts/bootstrap.sh: Debian rustc-web, std built from source
 WASM_CARGO := /usr/bin/cargo
-WASM_ENV := RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc RUSTC_BOOTSTRAP=1 PATH=/usr/bin:\$(PATH)
+WASM_ENV := RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc RUSTC_BOOTSTRAP=1 PATH=/usr/bin:\$(PATH) CARGO_TARGET_WASM32_WASIP1_LINKER=$(wasm_linker) CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_LINKER=$(wasm_linker)
 WASM_STD_FLAGS := -Zbuild-std=std,panic_abort
 WASIP1_RUSTFLAGS := -L /usr/lib/wasm32-wasi -C link-self-contained=no
 EOF
 }
 
-# ---- wasm toolchain
-if has_rustup_targets; then
+# ---- wasm toolchain (KVROUTE_WASM_TOOLCHAIN=debian|rustup forces a path, for testing both)
+force=${KVROUTE_WASM_TOOLCHAIN:-}
+if [ "$force" != debian ] && has_rustup_targets; then
     write_rustup
     log "wasm toolchain: rustup ($(rustc --version)) with wasm32-wasip1 + wasm32-unknown-unknown installed"
-elif has_debian_recipe || install_debian_recipe; then
+elif [ "$force" != rustup ] && { has_debian_recipe || install_debian_recipe; }; then
     has_debian_recipe || die "Debian rustc-web toolchain incomplete after install"
     write_debian
     log "wasm toolchain: debian ($(/usr/bin/rustc --version), std from $(debian_src))"
