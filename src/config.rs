@@ -25,8 +25,6 @@ pub struct Config {
     /// Models the fleet serves. Empty accepts any model; otherwise a request for another
     /// model is not cache-routed (it falls back to the least-loaded worker and is counted).
     pub models: Vec<String>,
-    /// Request header carrying a session id; used only as a tie-breaker seed (optional).
-    pub session_header: Option<String>,
     pub steering: SteeringConfig,
     pub scoring: ScoringConfig,
     pub busy: BusyConfig,
@@ -48,7 +46,6 @@ impl Default for Config {
             chars_per_token: 4.0,
             routes: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             models: Vec::new(),
-            session_header: None,
             steering: SteeringConfig::default(),
             scoring: ScoringConfig::default(),
             busy: BusyConfig::default(),
@@ -388,11 +385,6 @@ impl Config {
         ] {
             if !is_header_name(h) {
                 return Err(err(name, "must be a lowercase header name"));
-            }
-        }
-        if let Some(h) = &self.session_header {
-            if !is_header_name(h) {
-                return Err(err("session_header", "must be a lowercase header name"));
             }
         }
         if self.index.default_kv_blocks == 0 {

@@ -4,11 +4,14 @@
 //! compiled to wasm32 under wasm-bindgen-test. `filter` is the thin proxy-wasm adapter.
 
 pub mod config;
+pub mod events;
+pub mod feedback;
 pub mod hashing;
 pub mod index;
 pub mod load;
 pub mod request;
 pub mod rng;
+pub mod router;
 pub mod select;
 
 #[cfg(feature = "filter")]

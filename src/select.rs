@@ -58,8 +58,8 @@ pub struct RequestShape {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
     pub id: WorkerId,
-    /// Leading prompt blocks the worker holds.
-    pub overlap_blocks: u32,
+    /// Prompt tokens covered by the leading index blocks the worker holds.
+    pub overlap_tokens: u32,
     pub kv_blocks: u32,
     pub load: WorkerView,
 }
@@ -68,7 +68,7 @@ pub struct Candidate {
 pub struct Pick {
     pub id: WorkerId,
     pub cost: f64,
-    pub overlap_blocks: u32,
+    pub overlap_tokens: u32,
     /// Every healthy candidate was over a busy threshold.
     pub all_busy: bool,
     /// No candidate was healthy; the pick ignored health (fail open).
@@ -85,7 +85,7 @@ pub enum Outcome {
 
 pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     let bs = f64::from(p.block_size.max(1));
-    let overlap = f64::from(c.overlap_blocks.min(r.total_blocks));
+    let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
     let prefill = ((c.load.prefill_tokens + f64::from(r.prompt_tokens)) / bs - p.overlap_credit * overlap).max(0.0);
     let reported = c
         .load
@@ -93,7 +93,7 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
         .map(|rep| f64::from(rep.kv_usage).clamp(0.0, 1.0) * f64::from(c.kv_blocks))
         .unwrap_or(0.0);
     // Staged: while its prefill is pending the request adds only blocks that already exist.
-    let new_blocks = if p.staged_decode { 0.0 } else { f64::from(r.total_blocks) - overlap };
+    let new_blocks = if p.staged_decode { 0.0 } else { (f64::from(r.total_blocks) - overlap).max(0.0) };
     let decode = (c.load.active_blocks as f64).max(reported) + new_blocks;
     p.prefill_load_scale * prefill + decode + p.cache_balance * c.load.fresh_blocks
 }
@@ -141,7 +141,7 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
     Outcome::Picked(Pick {
         id: c.id,
         cost,
-        overlap_blocks: c.overlap_blocks,
+        overlap_tokens: c.overlap_tokens,
         all_busy: any_healthy && !any_free,
         none_healthy: !any_healthy,
     })
@@ -176,8 +176,8 @@ fn choose(temperature: f64, scored: &[(usize, f64)], rng: &mut Rng) -> Option<us
 }
 
 /// Tokens the chosen worker would have to compute: the disaggregation input.
-pub fn uncached_tokens(prompt_tokens: u32, overlap_blocks: u32, block_size: u32) -> u32 {
-    prompt_tokens.saturating_sub(overlap_blocks.saturating_mul(block_size))
+pub fn uncached_tokens(prompt_tokens: u32, overlap_tokens: u32) -> u32 {
+    prompt_tokens.saturating_sub(overlap_tokens)
 }
 
 #[cfg(test)]
@@ -188,7 +188,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn cand(id: u16, overlap: u32, load: WorkerView) -> Candidate {
-        Candidate { id, overlap_blocks: overlap, kv_blocks: 1000, load }
+        Candidate { id, overlap_tokens: overlap * 16, kv_blocks: 1000, load }
     }
 
     fn idle() -> WorkerView {
@@ -262,7 +262,7 @@ mod tests {
             let pk = picked(pick(&p, &cands, &r, &mut rng));
             per[usize::from(pk.id)] += 1;
             overlap[usize::from(pk.id)] = 128;
-            let cached = pk.overlap_blocks;
+            let cached = pk.overlap_tokens / 16;
             t.add(&NewRequest {
                 id,
                 worker: pk.id,
@@ -270,7 +270,7 @@ mod tests {
                 blocks: &blocks,
                 cached_blocks: cached,
                 tail_blocks: 16,
-                prefill_tokens: uncached_tokens(2048, cached, 16),
+                prefill_tokens: uncached_tokens(2048, pk.overlap_tokens),
                 now_ms: 0,
             });
         }
@@ -300,7 +300,7 @@ mod tests {
                 worker: pk.id,
                 prefill_worker: None,
                 blocks: &blocks,
-                cached_blocks: pk.overlap_blocks,
+                cached_blocks: pk.overlap_tokens / 16,
                 tail_blocks: 0,
                 prefill_tokens: 1600,
                 now_ms: now,
@@ -375,8 +375,7 @@ mod tests {
 
     #[test]
     fn uncached_tokens_saturates() {
-        assert_eq!(uncached_tokens(1000, 10, 16), 840);
-        assert_eq!(uncached_tokens(100, 10, 16), 0);
-        assert_eq!(uncached_tokens(100, u32::MAX, 16), 0);
+        assert_eq!(uncached_tokens(1000, 160), 840);
+        assert_eq!(uncached_tokens(100, 160), 0);
     }
 }

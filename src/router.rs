@@ -1,0 +1,628 @@
+//! The routing engine of one Envoy worker thread: its replica of the prefix index and load
+//! table, and the request lifecycle (route, prefill done, finish, feedback) expressed as
+//! events, so the same code applies local decisions and those replicated from other threads.
+
+use crate::config::{Config, DisaggMode, Role};
+use crate::events::Event;
+use crate::feedback::{OrcaLoad, Usage};
+use crate::hashing::{prompt_hashes, HashParams};
+use crate::index::{PrefixIndex, WorkerId};
+use crate::load::{LoadParams, LoadTable, NewRequest, Report, RequestId, WorkerView};
+use crate::request::{parse, ApiKind, ParseError};
+use crate::rng::Rng;
+use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
+
+/// Why a request was not cache-routed (it still goes to the least-loaded healthy worker).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fallback {
+    Parse(String),
+    UnknownModel(String),
+}
+
+impl Fallback {
+    /// Short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Fallback::Parse(_) => "parse_error",
+            Fallback::UnknownModel(_) => "unknown_model",
+        }
+    }
+}
+
+/// A routing decision, with what the HTTP context needs for the rest of the request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub id: RequestId,
+    /// Worker whose cluster / endpoint the steering header names.
+    pub target: WorkerId,
+    /// Worker that decodes (and holds the KV afterwards).
+    pub decode: WorkerId,
+    /// Prefill pool worker, when the request is disaggregated.
+    pub prefill: Option<WorkerId>,
+    /// Further workers in cost order, for endpoint-mode fallbacks.
+    pub alternates: Vec<WorkerId>,
+    /// Prompt tokens the serving (prefill-side) worker is predicted to hold.
+    pub overlap_tokens: u32,
+    pub prompt_tokens: u32,
+    pub exact_tokens: bool,
+    pub fallback: Option<Fallback>,
+    pub all_busy: bool,
+    pub hashes: Vec<u64>,
+    /// To replicate to the other threads (already applied here).
+    pub event: Event,
+    /// The prompt's text length, for calibrating chars per token from `usage`.
+    pub prompt_bytes_est: f64,
+}
+
+impl Decision {
+    /// Fraction of the prompt predicted to be served from cache.
+    pub fn predicted_hit(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            f64::from(self.overlap_tokens.min(self.prompt_tokens)) / f64::from(self.prompt_tokens)
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RouteResult {
+    Routed(Decision),
+    /// Every worker is busy and the config sheds load (answer 429).
+    Rejected,
+}
+
+/// What one finished request taught us.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct UsageOutcome {
+    /// `cached_tokens / prompt_tokens` as the engine reported it.
+    pub actual_hit: Option<f64>,
+    /// The engine cached at least a block less than predicted.
+    pub overpredicted: bool,
+}
+
+pub struct Router {
+    cfg: Config,
+    sel: SelectParams,
+    decode_pool: Vec<WorkerId>,
+    prefill_pool: Vec<WorkerId>,
+    index: PrefixIndex,
+    load: LoadTable,
+    rng: Rng,
+    /// Calibrated from usage; the hashing block length stays on the configured value so
+    /// calibration never changes block hashes.
+    chars_per_token: f64,
+    origin: u64,
+    seq: u64,
+}
+
+/// Output tokens assumed when a request does not say (vLLM would run to the context limit).
+const DEFAULT_OUTPUT_TOKENS: u32 = 256;
+/// Cap for the output estimate, so one huge `max_tokens` does not look like a full cache.
+const MAX_OUTPUT_ESTIMATE: u32 = 4096;
+
+impl Router {
+    /// `origin` distinguishes this replica's request ids from other threads' (its low 16
+    /// bits go into the top of every id).
+    pub fn new(cfg: Config, origin: u64, seed: u64) -> Self {
+        let sel = SelectParams {
+            block_size: cfg.block_size,
+            overlap_credit: cfg.scoring.overlap_credit,
+            prefill_load_scale: cfg.scoring.prefill_load_scale,
+            staged_decode: cfg.scoring.staged_decode,
+            temperature: cfg.scoring.temperature,
+            cache_balance: cfg.scoring.cache_balance,
+            busy_kv_usage: cfg.busy.kv_usage,
+            busy_waiting: cfg.busy.waiting_requests,
+            busy_inflight: cfg.busy.inflight_requests,
+            reject_when_all_busy: cfg.busy.reject_when_all_busy,
+        };
+        let params = LoadParams {
+            request_ttl_ms: cfg.load.request_ttl_ms,
+            prefill_decay: cfg.load.prefill_decay,
+            prefill_tokens_per_s: cfg.load.prefill_tokens_per_s,
+            prefill_overhead_ms: cfg.load.prefill_overhead_ms,
+            staged_decode: cfg.scoring.staged_decode,
+            fresh_half_life_ms: cfg.scoring.cache_balance_half_life_ms,
+        };
+        let mut index = PrefixIndex::new(cfg.index.ttl_ms);
+        let mut decode_pool = Vec::new();
+        let mut prefill_pool = Vec::new();
+        for (i, w) in cfg.workers.iter().enumerate() {
+            let Ok(id) = WorkerId::try_from(i) else { break };
+            index.set_capacity(id, cfg.kv_blocks(w));
+            match w.role {
+                Role::Prefill => prefill_pool.push(id),
+                Role::Both | Role::Decode => decode_pool.push(id),
+            }
+        }
+        let load = LoadTable::new(cfg.workers.len(), params);
+        let chars_per_token = cfg.chars_per_token;
+        Router {
+            cfg,
+            sel,
+            decode_pool,
+            prefill_pool,
+            index,
+            load,
+            rng: Rng::new(seed),
+            chars_per_token,
+            origin: (origin & 0xFFFF) << 48,
+            seq: 0,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    pub fn load(&self) -> &LoadTable {
+        &self.load
+    }
+
+    pub fn chars_per_token(&self) -> f64 {
+        self.chars_per_token
+    }
+
+    pub fn worker_view(&self, w: WorkerId, now_ms: u64) -> WorkerView {
+        self.load.view(w, now_ms, self.cfg.busy.report_max_age_ms)
+    }
+
+    fn next_id(&mut self) -> RequestId {
+        self.seq = (self.seq + 1) & 0xFFFF_FFFF_FFFF;
+        self.origin | self.seq
+    }
+
+    /// Parses the body, scores every worker and records the decision (load and index).
+    pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
+        let req = match parse(kind, body) {
+            Ok(r) => r,
+            Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
+        };
+        if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
+            return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
+        }
+        let hp = HashParams { block_size: self.cfg.block_size, chars_per_token: self.cfg.chars_per_token };
+        let ph = prompt_hashes(&req, &hp);
+        let bs = self.cfg.block_size.max(1);
+        // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
+        // that is follows the calibrated ratio.
+        let (prompt_tokens, tokens_per_block, prompt_bytes) = if ph.exact {
+            (ph.est_tokens, f64::from(bs), 0.0)
+        } else {
+            let bytes = f64::from(ph.est_tokens) * self.cfg.chars_per_token;
+            let tokens = (bytes / self.chars_per_token).ceil().min(f64::from(u32::MAX)) as u32;
+            (tokens, f64::from(bs) * self.cfg.chars_per_token / self.chars_per_token, bytes)
+        };
+        let output = req.max_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(MAX_OUTPUT_ESTIMATE);
+        let prompt_blocks = prompt_tokens.div_ceil(bs);
+        let shape = RequestShape { prompt_tokens, total_blocks: prompt_blocks + output.div_ceil(bs) };
+
+        let mut held = vec![0u32; self.cfg.workers.len()];
+        self.index.lookup(&ph.blocks, now_ms, &mut held);
+        let overlap_tokens = |w: WorkerId| -> u32 {
+            let blocks = held.get(usize::from(w)).copied().unwrap_or(0);
+            ((f64::from(blocks) * tokens_per_block) as u32).min(prompt_tokens)
+        };
+
+        let decode_cands = self.candidates(&self.decode_pool, &overlap_tokens, now_ms);
+        let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
+            Outcome::Picked(p) => p,
+            Outcome::Rejected => return RouteResult::Rejected,
+            Outcome::NoCandidates => return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms),
+        };
+        let alternates = self.alternates(&decode_cands, &shape, pick.id);
+
+        let mut prefill = None;
+        let mut serve_overlap = pick.overlap_tokens;
+        let threshold = self.cfg.disaggregation.threshold_tokens;
+        if threshold > 0 && !self.prefill_pool.is_empty() {
+            let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
+            if uncached > threshold {
+                let cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
+                if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng) {
+                    prefill = Some(pp.id);
+                    serve_overlap = pp.overlap_tokens;
+                }
+            }
+        }
+
+        let id = self.next_id();
+        let hashed_blocks = u32::try_from(ph.blocks.len()).unwrap_or(u32::MAX);
+        let cached_blocks = (f64::from(serve_overlap) / tokens_per_block).floor() as u32;
+        let event = Event::Routed {
+            id,
+            now_ms,
+            worker: pick.id,
+            prefill_worker: prefill,
+            cached_blocks,
+            tail_blocks: prompt_blocks.saturating_sub(hashed_blocks) + output.div_ceil(bs),
+            prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
+            hashes: ph.blocks,
+        };
+        self.apply(&event, now_ms);
+        let hashes = match &event {
+            Event::Routed { hashes, .. } => hashes.clone(),
+            _ => Vec::new(),
+        };
+        let target = match (prefill, self.cfg.disaggregation.mode) {
+            (Some(p), DisaggMode::Kvroute) => p,
+            _ => pick.id,
+        };
+        RouteResult::Routed(Decision {
+            id,
+            target,
+            decode: pick.id,
+            prefill,
+            alternates,
+            overlap_tokens: serve_overlap,
+            prompt_tokens,
+            exact_tokens: ph.exact,
+            fallback: None,
+            all_busy: pick.all_busy,
+            hashes,
+            event,
+            prompt_bytes_est: prompt_bytes,
+        })
+    }
+
+    /// Least-loaded healthy worker for a request we cannot read.
+    fn route_fallback(&mut self, why: Fallback, now_ms: u64) -> RouteResult {
+        let cands = self.candidates(&self.decode_pool, &|_| 0, now_ms);
+        let shape = RequestShape::default();
+        let pick = match select::pick(&self.sel, &cands, &shape, &mut self.rng) {
+            Outcome::Picked(p) => p,
+            Outcome::Rejected => return RouteResult::Rejected,
+            Outcome::NoCandidates => return RouteResult::Rejected,
+        };
+        let alternates = self.alternates(&cands, &shape, pick.id);
+        let id = self.next_id();
+        let event = Event::Routed {
+            id,
+            now_ms,
+            worker: pick.id,
+            prefill_worker: None,
+            cached_blocks: 0,
+            tail_blocks: 0,
+            prefill_tokens: 0,
+            hashes: Vec::new(),
+        };
+        self.apply(&event, now_ms);
+        RouteResult::Routed(Decision {
+            id,
+            target: pick.id,
+            decode: pick.id,
+            prefill: None,
+            alternates,
+            overlap_tokens: 0,
+            prompt_tokens: 0,
+            exact_tokens: false,
+            fallback: Some(why),
+            all_busy: pick.all_busy,
+            hashes: Vec::new(),
+            event,
+            prompt_bytes_est: 0.0,
+        })
+    }
+
+    fn candidates(&self, pool: &[WorkerId], overlap: &dyn Fn(WorkerId) -> u32, now_ms: u64) -> Vec<Candidate> {
+        pool.iter()
+            .map(|&w| Candidate {
+                id: w,
+                overlap_tokens: overlap(w),
+                kv_blocks: self.cfg.workers.get(usize::from(w)).map(|c| self.cfg.kv_blocks(c)).unwrap_or(1),
+                load: self.worker_view(w, now_ms),
+            })
+            .collect()
+    }
+
+    fn alternates(&self, cands: &[Candidate], shape: &RequestShape, chosen: WorkerId) -> Vec<WorkerId> {
+        let n = self.cfg.steering.fallbacks as usize;
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut rest: Vec<(f64, WorkerId)> = cands
+            .iter()
+            .filter(|c| c.id != chosen && c.load.healthy)
+            .map(|c| (select::cost(&self.sel, c, shape), c.id))
+            .collect();
+        rest.sort_by(|a, b| a.0.total_cmp(&b.0));
+        rest.into_iter().take(n).map(|(_, w)| w).collect()
+    }
+
+    /// Applies an event, local or replicated from another thread.
+    pub fn apply(&mut self, e: &Event, now_ms: u64) {
+        match e {
+            Event::Routed { id, now_ms: at, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } => {
+                self.load.add(&NewRequest {
+                    id: *id,
+                    worker: *worker,
+                    prefill_worker: *prefill_worker,
+                    blocks: hashes,
+                    cached_blocks: *cached_blocks,
+                    tail_blocks: *tail_blocks,
+                    prefill_tokens: *prefill_tokens,
+                    now_ms: *at,
+                });
+                if !hashes.is_empty() {
+                    self.index.insert(*worker, hashes, *at);
+                    if let Some(p) = prefill_worker {
+                        self.index.insert(*p, hashes, *at);
+                    }
+                }
+            }
+            Event::PrefillDone { id } => {
+                self.load.prefill_done(*id);
+            }
+            Event::Free { id } => {
+                self.load.free(*id);
+            }
+            Event::Report { worker, kv_usage, waiting, running, at_ms } => {
+                self.load.report(*worker, Report { kv_usage: *kv_usage, waiting: *waiting, running: *running, at_ms: *at_ms });
+            }
+            Event::Failed { worker, at_ms } => {
+                self.load.mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
+            }
+            Event::Recovered { worker } => self.load.mark_ok(*worker),
+            Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
+            Event::Calibrate { chars_per_token } => {
+                if chars_per_token.is_finite() && (0.5..=64.0).contains(chars_per_token) {
+                    self.chars_per_token = *chars_per_token;
+                }
+            }
+        }
+        let _ = now_ms;
+    }
+
+    /// First response byte: the prompt has been computed.
+    pub fn on_first_byte(&mut self, d: &Decision, now_ms: u64) -> Event {
+        let e = Event::PrefillDone { id: d.id };
+        self.apply(&e, now_ms);
+        e
+    }
+
+    /// The request is over (success or not): release its load.
+    pub fn on_finish(&mut self, d: &Decision, now_ms: u64) -> Event {
+        let e = Event::Free { id: d.id };
+        self.apply(&e, now_ms);
+        e
+    }
+
+    /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
+    /// blocks this request was predicted to add there (they were never computed).
+    pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
+        let mut out = vec![Event::Failed { worker, at_ms: now_ms }];
+        let held = (f64::from(d.overlap_tokens) / self.tokens_per_block(d)).floor() as usize;
+        if let Some(new) = d.hashes.get(held..).filter(|h| !h.is_empty()) {
+            for w in [Some(d.decode), d.prefill].into_iter().flatten() {
+                out.push(Event::Forget { worker: w, hashes: new.to_vec() });
+            }
+        }
+        for e in &out {
+            self.apply(e, now_ms);
+        }
+        out
+    }
+
+    /// A worker answered well: end its cooldown early if it had one.
+    pub fn on_success(&mut self, worker: WorkerId, now_ms: u64) -> Option<Event> {
+        let healthy = self.worker_view(worker, now_ms).healthy;
+        if healthy {
+            return None;
+        }
+        let e = Event::Recovered { worker };
+        self.apply(&e, now_ms);
+        Some(e)
+    }
+
+    pub fn on_orca(&mut self, worker: WorkerId, o: &OrcaLoad, now_ms: u64) -> Event {
+        let prev = self.worker_view(worker, u64::MAX / 2).report;
+        let e = Event::Report {
+            worker,
+            kv_usage: o.kv_usage.or(prev.map(|r| r.kv_usage)).unwrap_or(0.0),
+            waiting: o.waiting.or(prev.map(|r| r.waiting)).unwrap_or(0),
+            running: o.running,
+            at_ms: now_ms,
+        };
+        self.apply(&e, now_ms);
+        e
+    }
+
+    /// Usage reported by the engine: calibrate chars per token (text prompts) and measure
+    /// how good the prediction was.
+    pub fn on_usage(&mut self, d: &Decision, u: &Usage, now_ms: u64) -> (UsageOutcome, Option<Event>) {
+        let mut out = UsageOutcome::default();
+        if u.prompt_tokens == 0 || d.fallback.is_some() {
+            return (out, None);
+        }
+        if let Some(c) = u.cached_tokens {
+            out.actual_hit = Some(f64::from(c.min(u.prompt_tokens)) / f64::from(u.prompt_tokens));
+            out.overpredicted = c.saturating_add(self.cfg.block_size) < d.overlap_tokens;
+        }
+        let mut ev = None;
+        if !d.exact_tokens && d.prompt_bytes_est > 0.0 {
+            let observed = d.prompt_bytes_est / f64::from(u.prompt_tokens);
+            if observed.is_finite() && (0.5..=64.0).contains(&observed) {
+                // Slow EMA: one odd request must not swing the estimate.
+                let next = 0.9 * self.chars_per_token + 0.1 * observed;
+                if (next - self.chars_per_token).abs() > 0.01 {
+                    let e = Event::Calibrate { chars_per_token: next };
+                    self.apply(&e, now_ms);
+                    ev = Some(e);
+                }
+            }
+        }
+        (out, ev)
+    }
+
+    fn tokens_per_block(&self, d: &Decision) -> f64 {
+        let bs = f64::from(self.cfg.block_size.max(1));
+        if d.exact_tokens {
+            bs
+        } else {
+            bs * self.cfg.chars_per_token / self.chars_per_token
+        }
+    }
+
+    /// Periodic housekeeping: lost requests and stale index entries.
+    pub fn tick(&mut self, now_ms: u64) -> (usize, usize) {
+        let lost = self.load.expire(now_ms);
+        let stale = self.index.expire(now_ms, 4096);
+        (lost, stale)
+    }
+
+    pub fn worker_name(&self, w: WorkerId) -> &str {
+        self.cfg.workers.get(usize::from(w)).map(|c| c.name.as_str()).unwrap_or("")
+    }
+
+    pub fn worker_cluster(&self, w: WorkerId) -> &str {
+        self.cfg.workers.get(usize::from(w)).map(|c| c.cluster_name()).unwrap_or("")
+    }
+
+    pub fn worker_endpoint(&self, w: WorkerId) -> Option<&str> {
+        self.cfg.workers.get(usize::from(w)).and_then(|c| c.endpoint.as_deref())
+    }
+
+    pub fn worker_by_name(&self, name: &str) -> Option<WorkerId> {
+        self.cfg.workers.iter().position(|w| w.name == name).and_then(|i| WorkerId::try_from(i).ok())
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.cfg.workers.len()
+    }
+}
+
+fn describe(e: &ParseError) -> String {
+    e.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"workers":[
+                {{"name":"d0","endpoint":"127.0.0.1:8001"}},
+                {{"name":"d1","endpoint":"127.0.0.1:8002"}},
+                {{"name":"d2","endpoint":"127.0.0.1:8003"}},
+                {{"name":"d3","endpoint":"127.0.0.1:8004"}},
+                {{"name":"p0","endpoint":"127.0.0.1:8101","role":"prefill"}},
+                {{"name":"p1","endpoint":"127.0.0.1:8102","role":"prefill"}}
+            ]{extra}}}"#
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn completion(prompt: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16})).unwrap()
+    }
+
+    fn routed(r: RouteResult) -> Decision {
+        match r {
+            RouteResult::Routed(d) => d,
+            RouteResult::Rejected => panic!("rejected"),
+        }
+    }
+
+    fn doc(seed: u64, bytes: usize) -> String {
+        let mut r = Rng::new(seed);
+        (0..bytes / 6).map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)]).collect()
+    }
+
+    #[test]
+    fn same_long_prefix_returns_to_its_worker() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 7);
+        let base = doc(1, 8000);
+        let first = routed(r.route(ApiKind::Completions, &completion(&base), 0));
+        r.on_finish(&first, 10);
+        for i in 0..5 {
+            let d = routed(r.route(ApiKind::Completions, &completion(&format!("{base} question {i}")), 100 + i));
+            assert_eq!(d.decode, first.decode);
+            assert!(d.predicted_hit() > 0.9, "{}", d.predicted_hit());
+            r.on_finish(&d, 200 + i);
+        }
+        assert_eq!(r.load().totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn long_cold_prompt_goes_to_prefill_pool_and_repeat_stays_on_decode() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":1000}"#), 1, 3);
+        let long = doc(2, 40_000); // ~10k tokens at 4 chars per token
+        let d = routed(r.route(ApiKind::Completions, &completion(&long), 0));
+        let p = d.prefill.expect("disaggregated");
+        assert_eq!(d.target, p);
+        assert!(r.config().workers[usize::from(p)].role == Role::Prefill);
+        r.on_finish(&d, 5);
+        let again = routed(r.route(ApiKind::Completions, &completion(&long), 10));
+        assert_eq!(again.prefill, None, "cached on the decode worker now");
+        assert_eq!(again.decode, d.decode);
+        assert_eq!(again.target, d.decode);
+    }
+
+    #[test]
+    fn llm_d_mode_steers_to_decode_and_names_prefill() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":1000,"mode":"llm-d"}"#), 1, 3);
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(3, 40_000)), 0));
+        assert!(d.prefill.is_some());
+        assert_eq!(d.target, d.decode);
+    }
+
+    #[test]
+    fn unparseable_body_falls_back_and_is_counted_as_load() {
+        let mut r = Router::new(cfg(""), 1, 3);
+        let d = routed(r.route(ApiKind::Completions, b"{not json", 0));
+        assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("parse_error"));
+        assert_eq!(r.worker_view(d.target, 0).inflight, 1);
+        r.on_finish(&d, 1);
+        assert_eq!(r.load().totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn failure_cools_down_and_forgets_uncomputed_blocks() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
+        let text = doc(4, 8000);
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        let evs = r.on_failure(&d, d.decode, 1);
+        assert!(evs.iter().any(|e| matches!(e, Event::Forget { .. })));
+        r.on_finish(&d, 1);
+        assert!(!r.worker_view(d.decode, 2).healthy);
+        let again = routed(r.route(ApiKind::Completions, &completion(&text), 3));
+        assert_ne!(again.decode, d.decode, "avoids the failed worker");
+        assert_eq!(again.overlap_tokens, 0);
+    }
+
+    #[test]
+    fn replicas_converge_through_events() {
+        let mut a = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
+        let mut b = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 2, 4);
+        let text = doc(5, 8000);
+        let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
+        let msg = crate::events::encode(std::slice::from_ref(&d.event));
+        for e in crate::events::decode(&msg).unwrap() {
+            b.apply(&e, 1);
+        }
+        // b has never seen the prompt but routes it where a did, while a's request is active.
+        let db = routed(b.route(ApiKind::Completions, &completion(&text), 2));
+        assert_eq!(db.decode, d.decode);
+        assert_ne!(db.id, d.id);
+        assert_eq!(b.worker_view(d.decode, 2).inflight, 2);
+    }
+
+    #[test]
+    fn usage_calibrates_chars_per_token() {
+        let mut r = Router::new(cfg(""), 1, 3);
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(6, 4000)), 0));
+        let u = Usage { prompt_tokens: d.prompt_tokens / 2, completion_tokens: 1, cached_tokens: Some(0) };
+        let before = r.chars_per_token();
+        let (_, ev) = r.on_usage(&d, &u, 1);
+        assert!(ev.is_some());
+        assert!(r.chars_per_token() > before);
+    }
+}
