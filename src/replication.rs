@@ -1,0 +1,275 @@
+//! Membership and fan-out between the VMs of one Envoy process (one VM per worker thread).
+//!
+//! Every VM keeps a full replica of the router state and sends its events to the others
+//! through proxy-wasm shared queues. Membership lives in one small shared-data record,
+//! updated with compare-and-swap: each VM appends itself when it starts and refreshes its
+//! heartbeat on every tick. Envoy also starts short-lived VMs (a canary that is configured
+//! and destroyed; the main thread's VM) whose queues keep accepting messages nobody reads,
+//! so senders skip members whose heartbeat is older than `stale_ms`, and a member silent for
+//! `forget_ms` is dropped from the record.
+//!
+//! The host is behind `SharedBus`, so the protocol is tested natively with an in-memory bus.
+
+/// The proxy-wasm shared data and shared queue calls this module needs.
+pub trait SharedBus {
+    /// Value and CAS token of a shared-data key.
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// Writes if `cas` still matches; false on a CAS mismatch or any error.
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool;
+    fn register_queue(&self, name: &str) -> Option<u32>;
+    fn resolve_queue(&self, name: &str) -> Option<u32>;
+    fn enqueue(&self, queue: u32, msg: &[u8]) -> bool;
+    fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Member {
+    id: u32,
+    heartbeat_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Peer {
+    id: u32,
+    queue: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    pub stale_ms: u64,
+    pub forget_ms: u64,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self { stale_ms: 2_000, forget_ms: 30_000 }
+    }
+}
+
+#[derive(Debug)]
+pub struct Replicator {
+    ns: String,
+    id: u32,
+    queue: u32,
+    peers: Vec<Peer>,
+    timing: Timing,
+}
+
+/// CAS retries before giving up until the next tick (contention is a handful of VMs).
+const CAS_RETRIES: usize = 16;
+
+impl Replicator {
+    /// Joins the group named `ns` (plugin-specific, so two kvroute filters do not mix).
+    pub fn join(bus: &dyn SharedBus, ns: &str, now_ms: u64, timing: Timing) -> Option<Replicator> {
+        let id = next_member_id(bus, ns)?;
+        let queue = bus.register_queue(&queue_name(ns, id))?;
+        let mut r = Replicator { ns: ns.to_string(), id, queue, peers: Vec::new(), timing };
+        r.heartbeat(bus, now_ms);
+        Some(r)
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn queue(&self) -> u32 {
+        self.queue
+    }
+
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Refreshes our heartbeat and the list of live peers; call on every tick.
+    pub fn heartbeat(&mut self, bus: &dyn SharedBus, now_ms: u64) {
+        let key = members_key(&self.ns);
+        let mut members = Vec::new();
+        for _ in 0..CAS_RETRIES {
+            let (bytes, cas) = bus.get(&key);
+            members = decode_members(bytes.as_deref().unwrap_or(&[]));
+            members.retain(|m| m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.forget_ms);
+            members.push(Member { id: self.id, heartbeat_ms: now_ms });
+            if bus.set(&key, &encode_members(&members), cas) {
+                break;
+            }
+        }
+        let live: Vec<u32> = members
+            .iter()
+            .filter(|m| m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.stale_ms)
+            .map(|m| m.id)
+            .collect();
+        self.peers.retain(|p| live.contains(&p.id));
+        for id in live {
+            if self.peers.iter().any(|p| p.id == id) {
+                continue;
+            }
+            if let Some(queue) = bus.resolve_queue(&queue_name(&self.ns, id)) {
+                self.peers.push(Peer { id, queue });
+            }
+        }
+    }
+
+    /// Sends one message to every live peer; returns how many accepted it.
+    pub fn broadcast(&self, bus: &dyn SharedBus, msg: &[u8]) -> usize {
+        self.peers.iter().filter(|p| bus.enqueue(p.queue, msg)).count()
+    }
+
+    /// Everything waiting in our queue.
+    pub fn drain(&self, bus: &dyn SharedBus, max: usize) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            match bus.dequeue(self.queue) {
+                Some(m) => out.push(m),
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+fn members_key(ns: &str) -> String {
+    format!("kvroute/{ns}/members")
+}
+
+fn queue_name(ns: &str, id: u32) -> String {
+    format!("kvroute/{ns}/q{id}")
+}
+
+fn next_member_id(bus: &dyn SharedBus, ns: &str) -> Option<u32> {
+    let key = format!("kvroute/{ns}/next_id");
+    for _ in 0..CAS_RETRIES {
+        let (bytes, cas) = bus.get(&key);
+        let cur = bytes.and_then(|b| b.get(..4).and_then(|s| s.try_into().ok())).map(u32::from_le_bytes).unwrap_or(0);
+        let next = cur.wrapping_add(1);
+        if bus.set(&key, &next.to_le_bytes(), cas) {
+            return Some(next);
+        }
+    }
+    None
+}
+
+fn encode_members(ms: &[Member]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ms.len() * 12);
+    for m in ms {
+        out.extend_from_slice(&m.id.to_le_bytes());
+        out.extend_from_slice(&m.heartbeat_ms.to_le_bytes());
+    }
+    out
+}
+
+fn decode_members(b: &[u8]) -> Vec<Member> {
+    b.chunks_exact(12)
+        .filter_map(|c| {
+            let id = u32::from_le_bytes(c.get(..4)?.try_into().ok()?);
+            let heartbeat_ms = u64::from_le_bytes(c.get(4..12)?.try_into().ok()?);
+            Some(Member { id, heartbeat_ms })
+        })
+        .collect()
+}
+
+/// An in-memory `SharedBus` for tests: one per simulated Envoy process.
+#[cfg(test)]
+pub mod memory {
+    use super::SharedBus;
+    use std::cell::RefCell;
+    use std::collections::{HashMap, VecDeque};
+
+    #[derive(Default)]
+    pub struct MemoryBus {
+        data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
+    }
+
+    impl SharedBus for MemoryBus {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.data.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+            let mut d = self.data.borrow_mut();
+            let cur = d.get(key).map(|(_, c)| *c);
+            if cas.is_some() && cas != cur {
+                return false;
+            }
+            let next = cur.unwrap_or(0) + 1;
+            d.insert(key.to_string(), (value.to_vec(), next));
+            true
+        }
+        fn register_queue(&self, name: &str) -> Option<u32> {
+            let mut q = self.queues.borrow_mut();
+            q.push((name.to_string(), VecDeque::new()));
+            u32::try_from(q.len() - 1).ok()
+        }
+        fn resolve_queue(&self, name: &str) -> Option<u32> {
+            self.queues.borrow().iter().position(|(n, _)| n == name).and_then(|i| u32::try_from(i).ok())
+        }
+        fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
+            match self.queues.borrow_mut().get_mut(queue as usize) {
+                Some((_, q)) => {
+                    q.push_back(msg.to_vec());
+                    true
+                }
+                None => false,
+            }
+        }
+        fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
+            self.queues.borrow_mut().get_mut(queue as usize).and_then(|(_, q)| q.pop_front())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::memory::MemoryBus;
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn vms_find_each_other_and_exchange_messages() {
+        let bus = MemoryBus::default();
+        let t = Timing::default();
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let mut b = Replicator::join(&bus, "ns", 10, t).unwrap();
+        let mut c = Replicator::join(&bus, "ns", 20, t).unwrap();
+        assert_ne!(a.id(), b.id());
+        for r in [&mut a, &mut b, &mut c] {
+            r.heartbeat(&bus, 100);
+        }
+        assert_eq!((a.peers(), b.peers(), c.peers()), (2, 2, 2));
+        assert_eq!(a.broadcast(&bus, b"hello"), 2);
+        assert_eq!(b.drain(&bus, 10), vec![b"hello".to_vec()]);
+        assert_eq!(c.drain(&bus, 10), vec![b"hello".to_vec()]);
+        assert!(a.drain(&bus, 10).is_empty(), "no message to self");
+    }
+
+    #[test]
+    fn silent_members_stop_receiving_and_are_forgotten() {
+        let bus = MemoryBus::default();
+        let t = Timing { stale_ms: 1_000, forget_ms: 5_000 };
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let canary = Replicator::join(&bus, "ns", 0, t).unwrap();
+        a.heartbeat(&bus, 500);
+        assert_eq!(a.peers(), 1);
+        a.heartbeat(&bus, 2_000); // the canary never beat again
+        assert_eq!(a.peers(), 0);
+        assert_eq!(a.broadcast(&bus, b"x"), 0);
+        assert!(canary.drain(&bus, 10).is_empty());
+        a.heartbeat(&bus, 10_000);
+        let (bytes, _) = bus.get("kvroute/ns/members");
+        assert_eq!(decode_members(&bytes.unwrap()).len(), 1, "canary dropped from the record");
+    }
+
+    #[test]
+    fn namespaces_do_not_mix_and_garbage_records_are_tolerated() {
+        let bus = MemoryBus::default();
+        assert!(bus.set("kvroute/x/members", &[1, 2, 3], None));
+        let mut a = Replicator::join(&bus, "x", 0, Timing::default()).unwrap();
+        let mut b = Replicator::join(&bus, "y", 0, Timing::default()).unwrap();
+        a.heartbeat(&bus, 1);
+        b.heartbeat(&bus, 1);
+        assert_eq!((a.peers(), b.peers()), (0, 0));
+    }
+}
