@@ -8,8 +8,8 @@
 //!   little-endian (the scheme engines use for their own KV events).
 //! * Text has no tokenizer here: blocks are `round(block_size * chars_per_token)` bytes of
 //!   the stream, and the token count is estimated from the byte count.
-//! * Chat messages are rendered into the stream by the `canon` submodule, whose format makes the stream of
-//!   a conversation a byte prefix of the stream of any continuation of it.
+//! * Chat messages are rendered into the stream by the `canon` submodule, whose format
+//!   makes the stream of a conversation a byte prefix of the stream of any continuation.
 
 mod canon;
 
