@@ -5,7 +5,7 @@
 //! prefixes and the prefix index can stop at the first miss.
 //!
 //! * Token-id prompts are hashed exactly: `block_size` ids per block, each id as u32
-//!   little-endian (the scheme engines use for their own KV events).
+//!   little-endian, as Dynamo's router hashes them (our seed differs: model and salt).
 //! * Text has no tokenizer here: blocks are `round(block_size * chars_per_token)` bytes of
 //!   the stream, and the token count is estimated from the byte count.
 //! * Chat messages are rendered into the stream by the `canon` submodule, whose format
