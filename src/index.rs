@@ -4,21 +4,26 @@
 //! because without KV events from the engines our view can only age out (Dynamo's approximate
 //! mode, llm-d's per-server LRU).
 //!
-//! # Layout (why it fits in ~45-55 bytes per block)
+//! # Layout (about 50 bytes per block when blocks have 1-2 holders)
 //! - `table`: `HashTable<u32>` of block slots. The 64-bit hash lives in the block record, not in
 //!   the table, so a bucket is 4 bytes + 1 control byte instead of 16 + 1.
-//! - `blocks`: paged slab of 16-byte records `{hash, a, b}`. `a`/`b` hold up to two holder node
-//!   ids inline (the common case: a block sits on 1-2 workers). A third holder spills the set
-//!   into an `Overflow` record (256-bit worker bitset + node ids), so hot shared prefixes still
-//!   cost one bitset read per block on lookup, whatever the number of holders.
-//! - per-worker paged node slab: 16-byte nodes `{prev, next, block, stamp}` forming an
-//!   intrusive doubly linked LRU list. The worker is not stored: it is implied by which slab the
-//!   node lives in and encoded in the node id (`worker << 24 | local`).
-//! - stamps are u32 milliseconds since `epoch`; the epoch is rebased (O(nodes), once per ~24
+//! - `blocks`: paged slab of 24-byte records `{hash, a, b, sa, sb}`: up to two holders inline
+//!   (node id + touch stamp each), the common case. A third holder spills the set into an
+//!   `Overflow` record (256-bit worker bitset + (node id, stamp) pairs), so a hot shared prefix
+//!   costs one bitset read per block on lookup, whatever the number of holders.
+//! - per-worker paged node slab: 12-byte nodes `{prev, next, block}` forming an intrusive
+//!   doubly linked LRU list. The worker is not stored: it is implied by the slab and encoded in
+//!   the node id (`worker << 24 | local`). Stamps sit in the block record rather than the node
+//!   so a lookup reads one record per block, never the nodes.
+//! - stamps are u32 milliseconds since `epoch`; the epoch is rebased (O(entries), once per ~24
 //!   days of uptime) before they would overflow.
 //!
 //! Paged slabs instead of `Vec`s keep capacity slack to one page per slab (a doubling `Vec`
-//! can waste half its allocation) and never copy tens of MB on growth inside a request.
+//! wastes up to half its allocation) and never copy tens of MB on growth inside a request.
+//!
+//! A prompt's blocks are created together, so they sit in adjacent slots; lookups and inserts
+//! try the neighbour of the previous block's slot before probing the hash table, which turns
+//! most per-block cache misses into sequential reads.
 //!
 //! # Semantics
 //! - An entry is expired when `now_ms - touched_ms > ttl_ms`; expired entries are misses for
@@ -31,6 +36,7 @@
 //!   first block would make the rest of it useless to a leading-run lookup; engines evict
 //!   leaf-first for the same reason.
 
+use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 
 /// Dense index into the router's worker list.
@@ -53,10 +59,12 @@ pub const MAX_TTL_MS: u64 = (1 << 31) - 1;
 const NIL: u32 = u32::MAX;
 /// In `Block::b`: the holders live in `Overflow` record number `Block::a`.
 const SPILLED: u32 = u32::MAX - 1;
+/// In `Block::b`: the slot is free (`Block::a` links the free list).
+const FREE: u32 = u32::MAX - 2;
 const LOCAL_BITS: u32 = 24;
 const LOCAL_MASK: u32 = (1 << LOCAL_BITS) - 1;
-/// Local node indices stay below this so that no node id equals `NIL` or `SPILLED`.
-const LOCAL_LIMIT: u32 = LOCAL_MASK - 1;
+/// Local node indices stay below this so that no node id equals `NIL`, `SPILLED` or `FREE`.
+const LOCAL_LIMIT: u32 = LOCAL_MASK - 2;
 const NODE_PAGE_BITS: u32 = 10;
 const BLOCK_PAGE_BITS: u32 = 12;
 const REBASE_KEEP_MS: u64 = 1 << 31;
@@ -136,39 +144,46 @@ impl<T: Copy, const BITS: u32> Pages<T, BITS> {
         self.pages.push(vec![fill; Self::LEN].into_boxed_slice());
     }
 
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.pages.iter_mut().flat_map(|p| p.iter_mut())
+    }
+
     fn heap_bytes(&self) -> usize {
         self.pages.len() * Self::LEN * core::mem::size_of::<T>()
             + self.pages.capacity() * core::mem::size_of::<Box<[T]>>()
     }
 }
 
-/// One (block, worker) entry; a link in its worker's LRU list.
+/// One (block, worker) entry: a link in its worker's LRU list.
 #[derive(Clone, Copy)]
 struct Node {
     prev: u32,
     next: u32,
     block: u32,
-    stamp: u32,
 }
 
-const FREE_NODE: Node = Node { prev: NIL, next: NIL, block: NIL, stamp: 0 };
+const FREE_NODE: Node = Node { prev: NIL, next: NIL, block: NIL };
 
-/// `a`, `b`: up to two holder node ids (`NIL` when absent, `a` filled first), or
-/// `a` = overflow record and `b` = `SPILLED`. In a free slot `a` links the free list.
+/// Inline: `a`, `b` are holder node ids (`NIL` when absent, `a` filled first) touched at
+/// `sa`, `sb`. Spilled: `a` = overflow record, `b` = `SPILLED`. Free: `b` = `FREE`, `a` = next
+/// free slot.
 #[derive(Clone, Copy)]
 struct Block {
     hash: u64,
     a: u32,
     b: u32,
+    sa: u32,
+    sb: u32,
 }
 
-const FREE_BLOCK: Block = Block { hash: 0, a: NIL, b: NIL };
+const FREE_BLOCK: Block = Block { hash: 0, a: NIL, b: FREE, sa: 0, sb: 0 };
 
-/// Holder set of a block with 3 or more holders.
+/// Holder set of a block with 3 or more holders: (node id, stamp) pairs plus their workers as
+/// a bitset for lookups.
 #[derive(Default)]
 struct Overflow {
     bits: Bits,
-    ids: Vec<u32>,
+    held: Vec<(u32, u32)>,
 }
 
 struct Worker {
@@ -180,15 +195,15 @@ struct Worker {
     head: u32,
     /// Least recently used.
     tail: u32,
-    /// Stamp of `tail`, cached so `lookup` can tell without touching node memory whether this
-    /// worker has any expired entry at all (usually not, when `expire` runs on a timer).
+    /// Stamp of `tail`, so `lookup` can tell per worker whether any of its entries is expired
+    /// and skip stamp checks for workers with none.
     tail_stamp: u32,
     count: u32,
     cap: u32,
 }
 
 impl Worker {
-    fn new() -> Self {
+    fn new(cap: u32) -> Self {
         Worker {
             nodes: Pages::new(),
             len: 0,
@@ -197,12 +212,8 @@ impl Worker {
             tail: NIL,
             tail_stamp: u32::MAX,
             count: 0,
-            cap: DEFAULT_CAPACITY,
+            cap,
         }
-    }
-
-    fn stamp(&self, l: u32) -> Option<u32> {
-        self.nodes.get(l).map(|n| n.stamp)
     }
 
     fn unlink(&mut self, l: u32) {
@@ -216,10 +227,7 @@ impl Worker {
         }
         match self.nodes.get_mut(next) {
             Some(x) => x.prev = prev,
-            None => {
-                self.tail = prev;
-                self.tail_stamp = self.stamp(prev).unwrap_or(u32::MAX);
-            }
+            None => self.tail = prev,
         }
     }
 
@@ -228,33 +236,14 @@ impl Worker {
         let Some(n) = self.nodes.get_mut(l) else { return };
         n.prev = NIL;
         n.next = old;
-        let stamp = n.stamp;
         match self.nodes.get_mut(old) {
             Some(h) => h.prev = l,
-            None => {
-                self.tail = l;
-                self.tail_stamp = stamp;
-            }
+            None => self.tail = l,
         }
         self.head = l;
     }
 
-    fn touch(&mut self, l: u32, stamp: u32) {
-        if self.head != l {
-            self.unlink(l);
-            if let Some(n) = self.nodes.get_mut(l) {
-                n.stamp = stamp;
-            }
-            self.push_front(l);
-        } else if let Some(n) = self.nodes.get_mut(l) {
-            n.stamp = stamp;
-            if self.tail == l {
-                self.tail_stamp = stamp;
-            }
-        }
-    }
-
-    fn alloc(&mut self, block: u32, stamp: u32) -> Option<u32> {
+    fn alloc(&mut self, block: u32) -> Option<u32> {
         let l = if self.free != NIL {
             let l = self.free;
             self.free = self.nodes.get(l)?.next;
@@ -269,8 +258,7 @@ impl Worker {
             self.len += 1;
             self.len - 1
         };
-        let n = self.nodes.get_mut(l)?;
-        *n = Node { prev: NIL, next: NIL, block, stamp };
+        *self.nodes.get_mut(l)? = Node { prev: NIL, next: NIL, block };
         self.push_front(l);
         self.count += 1;
         Some(l)
@@ -315,7 +303,7 @@ impl PrefixIndex {
             blocks_free: NIL,
             overflow: Vec::new(),
             overflow_free: Vec::new(),
-            workers: (0..MAX_WORKERS).map(|_| Worker::new()).collect(),
+            workers: (0..MAX_WORKERS).map(|_| Worker::new(DEFAULT_CAPACITY)).collect(),
             ttl: ttl_ms.min(MAX_TTL_MS),
             epoch: 0,
             clock: 0,
@@ -351,8 +339,9 @@ impl PrefixIndex {
         if !any(&active) {
             return;
         }
+        let mut cursor = Cursor::new(1u32.wrapping_neg());
         for (i, &h) in hashes.iter().enumerate() {
-            let held = match self.find_block(h) {
+            let held = match self.locate(h, &mut cursor) {
                 Some(b) => self.fresh_holders(b, &active, &stale, thr),
                 None => [0; 4],
             };
@@ -397,37 +386,40 @@ impl PrefixIndex {
             return;
         }
         let stamp = self.stamp_for(now_ms);
+        let mut cursor = Cursor::new(1);
         for &h in hashes.iter().rev() {
-            let existing = self.find_block(h);
-            if let Some(b) = existing {
-                if let Some(l) = self.holder_find(b, wi) {
-                    if let Some(wk) = self.workers.get_mut(wi) {
-                        wk.touch(l, stamp);
-                    }
-                    continue;
+            let Some(b) = self.locate_or_create(h, &mut cursor) else { continue };
+            if let Some(l) = self.holder_touch(b, wi, stamp) {
+                let Some(wk) = self.workers.get_mut(wi) else { return };
+                let was_tail = wk.tail == l;
+                if wk.head != l {
+                    wk.unlink(l);
+                    wk.push_front(l);
                 }
+                if was_tail {
+                    self.fix_tail(wi);
+                }
+                continue;
             }
-            // Evicting first cannot remove block `b`: w does not hold it.
+            // Cannot drop block b: w does not hold it.
             self.evict_to(wi, cap.saturating_sub(1));
-            let b = match existing {
-                Some(b) => b,
-                None => match self.new_block(h) {
-                    Some(b) => b,
-                    None => continue,
-                },
-            };
-            let Some(wk) = self.workers.get_mut(wi) else { return };
-            match wk.alloc(b, stamp) {
+            let added = match self.workers.get_mut(wi).and_then(|wk| wk.alloc(b)) {
                 Some(l) => {
-                    if !self.holder_add(b, wi, l) {
-                        self.remove_node(wi, l);
+                    let ok = self.holder_add(b, wi, l, stamp);
+                    if !ok {
+                        if let Some(wk) = self.workers.get_mut(wi) {
+                            wk.release(l);
+                        }
                     }
+                    ok
                 }
-                None => {
-                    if self.holders_empty(b) {
-                        self.drop_block(b);
-                    }
-                }
+                None => false,
+            };
+            if !added && self.holders_empty(b) {
+                self.drop_block(b);
+            }
+            if self.entries(w) == 1 {
+                self.fix_tail(wi);
             }
         }
     }
@@ -439,8 +431,9 @@ impl PrefixIndex {
         if wi >= MAX_WORKERS {
             return;
         }
+        let mut cursor = Cursor::new(1u32.wrapping_neg());
         for &h in hashes.get(keep..).unwrap_or(&[]) {
-            if let Some(b) = self.find_block(h) {
+            if let Some(b) = self.locate(h, &mut cursor) {
                 if let Some(l) = self.holder_find(b, wi) {
                     self.remove_node(wi, l);
                 }
@@ -465,15 +458,13 @@ impl PrefixIndex {
             }
         }
         if let Some(wk) = self.workers.get_mut(wi) {
-            let cap = wk.cap;
-            *wk = Worker::new();
-            wk.cap = cap;
+            *wk = Worker::new(wk.cap);
         }
     }
 
     /// Drop expired entries, looking at no more than `max_work` entries (each worker visited
     /// costs one too). Returns the number of entries dropped. Expired entries sit at the tail
-    /// of their worker's LRU list, so nothing fresh is ever scanned beyond one per worker.
+    /// of their worker's LRU list, so nothing fresh is scanned beyond one entry per worker.
     pub fn expire(&mut self, now_ms: u64, max_work: usize) -> usize {
         let thr = self.threshold(now_ms);
         let mut work = 0usize;
@@ -512,7 +503,11 @@ impl PrefixIndex {
     /// excluded, they are negligible next to the page-sized allocations).
     pub fn memory_bytes(&self) -> usize {
         let workers: usize = self.workers.iter().map(|wk| wk.nodes.heap_bytes()).sum();
-        let overflow: usize = self.overflow.iter().map(|o| o.ids.capacity() * 4).sum();
+        let overflow: usize = self
+            .overflow
+            .iter()
+            .map(|o| o.held.capacity() * core::mem::size_of::<(u32, u32)>())
+            .sum();
         self.table.allocation_size()
             + self.blocks.heap_bytes()
             + self.workers.capacity() * core::mem::size_of::<Worker>()
@@ -555,14 +550,20 @@ impl PrefixIndex {
                 let tail = wk.tail;
                 self.remove_node(wi, tail);
             }
-            let Some(wk) = self.workers.get_mut(wi) else { continue };
-            // Live stamps are all >= shift here, so the shift fits in u32 when any remain.
-            let s = u32::try_from(shift).unwrap_or(u32::MAX);
-            for page in wk.nodes.pages.iter_mut() {
-                for n in page.iter_mut() {
-                    n.stamp = n.stamp.saturating_sub(s);
-                }
+        }
+        // Live stamps are all >= shift now, so it fits in u32 whenever any remain; stamps of
+        // free slots are meaningless and only saturate.
+        let s = u32::try_from(shift).unwrap_or(u32::MAX);
+        for blk in self.blocks.iter_mut() {
+            blk.sa = blk.sa.saturating_sub(s);
+            blk.sb = blk.sb.saturating_sub(s);
+        }
+        for o in self.overflow.iter_mut() {
+            for (_, st) in o.held.iter_mut() {
+                *st = st.saturating_sub(s);
             }
+        }
+        for wk in self.workers.iter_mut() {
             if wk.count > 0 {
                 wk.tail_stamp = wk.tail_stamp.saturating_sub(s);
             }
@@ -572,43 +573,96 @@ impl PrefixIndex {
 
     // ---- blocks and holder sets ----
 
+    /// Slot of hash h: first the neighbour of the previous block's slot (blocks of one prompt
+    /// are created together, in adjacent slots), then the table.
     #[inline]
-    fn find_block(&self, h: u64) -> Option<u32> {
+    fn locate(&self, h: u64, cursor: &mut Cursor) -> Option<u32> {
+        if let Some(b) = self.predict(h, cursor) {
+            return Some(b);
+        }
         let blocks = &self.blocks;
-        self.table
+        let b = self
+            .table
             .find(mix(h), |&b| blocks.get(b).is_some_and(|x| x.hash == h))
-            .copied()
+            .copied()?;
+        cursor.prev = b;
+        Some(b)
     }
 
-    fn new_block(&mut self, h: u64) -> Option<u32> {
-        let b = if self.blocks_free != NIL {
-            let b = self.blocks_free;
-            self.blocks_free = self.blocks.get(b)?.a;
-            b
+    /// A live slot whose hash is h is h's slot: every live slot is in the table, keys unique.
+    #[inline]
+    fn predict(&self, h: u64, cursor: &mut Cursor) -> Option<u32> {
+        for step in [cursor.step, cursor.step.wrapping_neg()] {
+            let cand = cursor.prev.wrapping_add(step);
+            if let Some(blk) = self.blocks.get(cand) {
+                if blk.hash == h && blk.b != FREE {
+                    cursor.prev = cand;
+                    cursor.step = step;
+                    return Some(cand);
+                }
+            }
+        }
+        None
+    }
+
+    fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<u32> {
+        if let Some(b) = self.predict(h, cursor) {
+            return Some(b);
+        }
+        let next = if self.blocks_free != NIL {
+            self.blocks_free
+        } else if self.blocks_len < FREE {
+            self.blocks_len
         } else {
-            if self.blocks_len >= SPILLED {
-                return None;
-            }
-            if self.blocks_len as usize >= self.blocks.slots() {
-                self.blocks.grow(FREE_BLOCK);
-            }
-            self.blocks_len += 1;
-            self.blocks_len - 1
+            // 4 billion blocks: only reachable by misuse; refuse rather than wrap.
+            return self.locate(h, cursor);
         };
-        *self.blocks.get_mut(b)? = Block { hash: h, a: NIL, b: NIL };
         let blocks = &self.blocks;
-        self.table.insert_unique(mix(h), b, |&x| blocks.get(x).map_or(0, |y| mix(y.hash)));
+        let entry = self.table.entry(
+            mix(h),
+            |&b| blocks.get(b).is_some_and(|x| x.hash == h),
+            |&b| blocks.get(b).map_or(0, |x| mix(x.hash)),
+        );
+        let b = match entry {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(v) => {
+                v.insert(next);
+                if next == self.blocks_free {
+                    self.blocks_free = self.blocks.get(next).map_or(NIL, |x| x.a);
+                } else {
+                    if self.blocks_len as usize >= self.blocks.slots() {
+                        self.blocks.grow(FREE_BLOCK);
+                    }
+                    self.blocks_len += 1;
+                }
+                match self.blocks.get_mut(next) {
+                    Some(blk) => *blk = Block { hash: h, a: NIL, b: NIL, sa: 0, sb: 0 },
+                    None => {
+                        // Unreachable (the slot was just allocated); keep the table consistent.
+                        if let Ok(e) = self.table.find_entry(mix(h), |&x| x == next) {
+                            e.remove();
+                        }
+                        return None;
+                    }
+                }
+                next
+            }
+        };
+        cursor.prev = b;
         Some(b)
     }
 
     fn drop_block(&mut self, b: u32) {
         let Some(blk) = self.blocks.get(b) else { return };
+        if blk.b == FREE {
+            return;
+        }
         if let Ok(e) = self.table.find_entry(mix(blk.hash), |&x| x == b) {
             e.remove();
         }
         let free = self.blocks_free;
         if let Some(blk) = self.blocks.get_mut(b) {
-            *blk = Block { hash: 0, a: free, b: NIL };
+            *blk = Block { a: free, ..FREE_BLOCK };
             self.blocks_free = b;
         }
     }
@@ -619,39 +673,93 @@ impl PrefixIndex {
 
     fn holder_find(&self, b: u32, w: usize) -> Option<u32> {
         let blk = self.blocks.get(b)?;
-        if blk.b == SPILLED {
-            let o = self.overflow.get(blk.a as usize)?;
-            if !bit_get(&o.bits, w) {
-                return None;
+        match blk.b {
+            FREE => None,
+            SPILLED => {
+                let o = self.overflow.get(blk.a as usize)?;
+                if !bit_get(&o.bits, w) {
+                    return None;
+                }
+                o.held.iter().find(|(id, _)| worker_of(*id) == w).map(|(id, _)| local_of(*id))
             }
-            o.ids.iter().find(|&&id| worker_of(id) == w).map(|&id| local_of(id))
-        } else {
-            [blk.a, blk.b]
+            _ => [blk.a, blk.b]
                 .into_iter()
                 .find(|&id| id != NIL && worker_of(id) == w)
-                .map(local_of)
+                .map(local_of),
         }
     }
 
-    fn holder_add(&mut self, b: u32, w: usize, l: u32) -> bool {
+    fn holder_stamp(&self, b: u32, w: usize) -> Option<u32> {
+        let blk = self.blocks.get(b)?;
+        match blk.b {
+            FREE => None,
+            SPILLED => {
+                let o = self.overflow.get(blk.a as usize)?;
+                o.held.iter().find(|(id, _)| worker_of(*id) == w).map(|&(_, s)| s)
+            }
+            _ => {
+                if blk.a != NIL && worker_of(blk.a) == w {
+                    Some(blk.sa)
+                } else if blk.b != NIL && worker_of(blk.b) == w {
+                    Some(blk.sb)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// If w holds b: refresh its stamp and return its node.
+    fn holder_touch(&mut self, b: u32, w: usize, stamp: u32) -> Option<u32> {
+        let blk = self.blocks.get_mut(b)?;
+        match blk.b {
+            FREE => None,
+            SPILLED => {
+                let o = self.overflow.get_mut(blk.a as usize)?;
+                if !bit_get(&o.bits, w) {
+                    return None;
+                }
+                let (id, s) = o.held.iter_mut().find(|(id, _)| worker_of(*id) == w)?;
+                *s = stamp;
+                Some(local_of(*id))
+            }
+            _ => {
+                if blk.a != NIL && worker_of(blk.a) == w {
+                    blk.sa = stamp;
+                    Some(local_of(blk.a))
+                } else if blk.b != NIL && worker_of(blk.b) == w {
+                    blk.sb = stamp;
+                    Some(local_of(blk.b))
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    fn holder_add(&mut self, b: u32, w: usize, l: u32, stamp: u32) -> bool {
         let id = node_id(w, l);
         let Some(blk) = self.blocks.get_mut(b) else { return false };
-        if blk.b == SPILLED {
-            let Some(o) = self.overflow.get_mut(blk.a as usize) else { return false };
-            o.ids.push(id);
-            bit_set(&mut o.bits, w);
-            return true;
+        match blk.b {
+            FREE => return false,
+            SPILLED => {
+                let Some(o) = self.overflow.get_mut(blk.a as usize) else { return false };
+                o.held.push((id, stamp));
+                bit_set(&mut o.bits, w);
+                return true;
+            }
+            _ => {}
         }
         if blk.a == NIL {
-            blk.a = id;
+            (blk.a, blk.sa) = (id, stamp);
             return true;
         }
         if blk.b == NIL {
-            blk.b = id;
+            (blk.b, blk.sb) = (id, stamp);
             return true;
         }
-        let mut o = Overflow { bits: [0; 4], ids: vec![blk.a, blk.b, id] };
-        for &x in &o.ids {
+        let mut o = Overflow { bits: [0; 4], held: vec![(blk.a, blk.sa), (blk.b, blk.sb), (id, stamp)] };
+        for &(x, _) in &o.held {
             bit_set(&mut o.bits, worker_of(x));
         }
         let slot = match self.overflow_free.pop() {
@@ -676,65 +784,66 @@ impl PrefixIndex {
     /// Removes w from the holders of b; true when b has no holder left.
     fn holder_remove(&mut self, b: u32, w: usize) -> bool {
         let Some(blk) = self.blocks.get_mut(b) else { return false };
-        if blk.b == SPILLED {
-            let oi = blk.a;
-            let Some(o) = self.overflow.get_mut(oi as usize) else { return false };
-            if let Some(pos) = o.ids.iter().position(|&id| worker_of(id) == w) {
-                o.ids.swap_remove(pos);
-                bit_clear(&mut o.bits, w);
+        match blk.b {
+            FREE => return false,
+            SPILLED => {
+                let oi = blk.a;
+                let Some(o) = self.overflow.get_mut(oi as usize) else { return false };
+                if let Some(pos) = o.held.iter().position(|(id, _)| worker_of(*id) == w) {
+                    o.held.swap_remove(pos);
+                    bit_clear(&mut o.bits, w);
+                }
+                if o.held.len() <= 2 {
+                    (blk.a, blk.sa) = o.held.first().copied().unwrap_or((NIL, 0));
+                    (blk.b, blk.sb) = o.held.get(1).copied().unwrap_or((NIL, 0));
+                    *o = Overflow::default();
+                    self.overflow_free.push(oi);
+                }
             }
-            if o.ids.len() <= 2 {
-                blk.a = o.ids.first().copied().unwrap_or(NIL);
-                blk.b = o.ids.get(1).copied().unwrap_or(NIL);
-                *o = Overflow::default();
-                self.overflow_free.push(oi);
+            _ => {
+                if blk.a != NIL && worker_of(blk.a) == w {
+                    (blk.a, blk.sa) = (blk.b, blk.sb);
+                    blk.b = NIL;
+                } else if blk.b != NIL && worker_of(blk.b) == w {
+                    blk.b = NIL;
+                }
             }
-        } else if blk.a != NIL && worker_of(blk.a) == w {
-            blk.a = blk.b;
-            blk.b = NIL;
-        } else if blk.b != NIL && worker_of(blk.b) == w {
-            blk.b = NIL;
         }
         blk.a == NIL
     }
 
-    #[inline]
-    fn fresh(&self, w: usize, l: u32, thr: u64) -> bool {
-        self.workers
-            .get(w)
-            .and_then(|wk| wk.stamp(l))
-            .is_some_and(|s| s as u64 >= thr)
-    }
-
-    /// Holders of b among `active` whose entry is fresh. Node stamps are read only for
-    /// workers in `stale` (those with at least one expired entry).
+    /// Holders of b among `active` whose entry is fresh. Stamps are compared only for workers
+    /// in `stale` (those with at least one expired entry).
     #[inline]
     fn fresh_holders(&self, b: u32, active: &Bits, stale: &Bits, thr: u64) -> Bits {
         let mut out: Bits = [0; 4];
         let Some(blk) = self.blocks.get(b) else { return out };
-        if blk.b == SPILLED {
-            let Some(o) = self.overflow.get(blk.a as usize) else { return out };
-            let mut check: Bits = [0; 4];
-            for k in 0..4 {
-                out[k] = o.bits[k] & active[k];
-                check[k] = out[k] & stale[k];
-            }
-            if any(&check) {
-                for &id in &o.ids {
-                    let w = worker_of(id);
-                    if bit_get(&check, w) && !self.fresh(w, local_of(id), thr) {
-                        bit_clear(&mut out, w);
+        match blk.b {
+            FREE => {}
+            SPILLED => {
+                let Some(o) = self.overflow.get(blk.a as usize) else { return out };
+                let mut check: Bits = [0; 4];
+                for k in 0..4 {
+                    out[k] = o.bits[k] & active[k];
+                    check[k] = out[k] & stale[k];
+                }
+                if any(&check) {
+                    for &(id, s) in &o.held {
+                        if (s as u64) < thr {
+                            bit_clear(&mut out, worker_of(id));
+                        }
                     }
                 }
             }
-        } else {
-            for id in [blk.a, blk.b] {
-                if id == NIL {
-                    continue;
-                }
-                let w = worker_of(id);
-                if bit_get(active, w) && (!bit_get(stale, w) || self.fresh(w, local_of(id), thr)) {
-                    bit_set(&mut out, w);
+            _ => {
+                for (id, s) in [(blk.a, blk.sa), (blk.b, blk.sb)] {
+                    if id == NIL {
+                        continue;
+                    }
+                    let w = worker_of(id);
+                    if bit_get(active, w) && (!bit_get(stale, w) || s as u64 >= thr) {
+                        bit_set(&mut out, w);
+                    }
                 }
             }
         }
@@ -743,15 +852,31 @@ impl PrefixIndex {
 
     // ---- entries ----
 
+    /// Re-read the stamp of w's LRU tail after its list changed.
+    fn fix_tail(&mut self, wi: usize) {
+        let Some(wk) = self.workers.get(wi) else { return };
+        let stamp = match wk.nodes.get(wk.tail) {
+            Some(n) => self.holder_stamp(n.block, wi).unwrap_or(0),
+            None => u32::MAX,
+        };
+        if let Some(wk) = self.workers.get_mut(wi) {
+            wk.tail_stamp = stamp;
+        }
+    }
+
     fn remove_node(&mut self, wi: usize, l: u32) {
         let Some(wk) = self.workers.get_mut(wi) else { return };
         let Some(b) = wk.nodes.get(l).map(|n| n.block) else { return };
         if b == NIL {
             return;
         }
+        let was_tail = wk.tail == l;
         wk.release(l);
         if self.holder_remove(b, wi) {
             self.drop_block(b);
+        }
+        if was_tail {
+            self.fix_tail(wi);
         }
     }
 
@@ -767,6 +892,18 @@ impl PrefixIndex {
     }
 }
 
+/// Where the previous block of a walk was found and in which direction its neighbour lies.
+struct Cursor {
+    prev: u32,
+    step: u32,
+}
+
+impl Cursor {
+    fn new(step: u32) -> Self {
+        Cursor { prev: NIL, step }
+    }
+}
+
 #[cfg(test)]
 impl PrefixIndex {
     /// Entries of w that `lookup` at `now_ms` would count.
@@ -776,7 +913,7 @@ impl PrefixIndex {
         let mut l = wk.head;
         let mut n = 0;
         while let Some(node) = wk.nodes.get(l) {
-            if node.stamp as u64 >= thr {
+            if self.holder_stamp(node.block, w).unwrap() as u64 >= thr {
                 n += 1;
             }
             l = node.next;
@@ -787,16 +924,24 @@ impl PrefixIndex {
     /// Structural invariants; panics with a message when one is broken.
     fn check(&self) {
         let mut holders_total = 0usize;
+        let mut live = 0usize;
+        for i in 0..self.blocks_len {
+            if self.blocks.get(i).unwrap().b != FREE {
+                live += 1;
+            }
+        }
+        assert_eq!(live, self.table.len(), "live slots not all indexed");
         for b in self.table.iter().copied() {
             let blk = self.blocks.get(b).expect("block slot");
+            assert_ne!(blk.b, FREE);
             assert_eq!(self.find_block(blk.hash), Some(b), "table/block hash mismatch");
             let ids: Vec<u32> = if blk.b == SPILLED {
                 let o = &self.overflow[blk.a as usize];
-                assert!(o.ids.len() >= 3, "overflow with {} holders", o.ids.len());
+                assert!(o.held.len() >= 3, "overflow with {} holders", o.held.len());
                 let mut bits = [0; 4];
-                o.ids.iter().for_each(|&id| bit_set(&mut bits, worker_of(id)));
+                o.held.iter().for_each(|&(id, _)| bit_set(&mut bits, worker_of(id)));
                 assert_eq!(bits, o.bits);
-                o.ids.clone()
+                o.held.iter().map(|&(id, _)| id).collect()
             } else {
                 assert_ne!(blk.a, NIL, "indexed block without holders");
                 [blk.a, blk.b].into_iter().filter(|&x| x != NIL).collect()
@@ -812,7 +957,7 @@ impl PrefixIndex {
             }
         }
         let mut nodes_total = 0usize;
-        for wk in &self.workers {
+        for (w, wk) in self.workers.iter().enumerate() {
             let mut l = wk.head;
             let mut prev = NIL;
             let mut n = 0u32;
@@ -820,8 +965,9 @@ impl PrefixIndex {
             while l != NIL {
                 let node = wk.nodes.get(l).expect("linked node");
                 assert_eq!(node.prev, prev);
-                assert!(node.stamp <= last_stamp, "LRU list not sorted by stamp");
-                last_stamp = node.stamp;
+                let stamp = self.holder_stamp(node.block, w).expect("listed node not a holder");
+                assert!(stamp <= last_stamp, "LRU list not sorted by stamp");
+                last_stamp = stamp;
                 prev = l;
                 l = node.next;
                 n += 1;
@@ -830,11 +976,15 @@ impl PrefixIndex {
             assert_eq!(n, wk.count);
             assert!(wk.count <= wk.cap);
             if wk.count > 0 {
-                assert_eq!(wk.tail_stamp, wk.nodes.get(wk.tail).unwrap().stamp);
+                assert_eq!(wk.tail_stamp, last_stamp, "cached tail stamp");
             }
             nodes_total += n as usize;
         }
         assert_eq!(nodes_total, holders_total);
+    }
+
+    fn find_block(&self, h: u64) -> Option<u32> {
+        self.locate(h, &mut Cursor::new(1))
     }
 }
 
