@@ -542,8 +542,7 @@ impl PrefixIndex {
         let new_epoch = now.saturating_sub(REBASE_KEEP_MS);
         let shift = new_epoch.saturating_sub(self.epoch);
         for wi in 0..MAX_WORKERS {
-            loop {
-                let Some(wk) = self.workers.get(wi) else { break };
+            while let Some(wk) = self.workers.get(wi) {
                 if wk.count == 0 || (wk.tail_stamp as u64) >= shift {
                     break;
                 }
@@ -1061,6 +1060,7 @@ mod tests {
         // Refresh the first block only: the hole at block 2 stops the run.
         ix.insert(0, &[1], T0 + 1001);
         assert_eq!(look(&ix, &[1, 2, 3], T0 + 1002, 2), vec![1, 2]);
+        assert_eq!((ix.fresh_entries(0, T0 + 1002), ix.entries(0)), (1, 3));
         assert_eq!(ix.expire(T0 + 1002, usize::MAX), 2);
         assert_eq!((ix.entries(0), ix.entries(1), ix.blocks()), (1, 2, 2));
         assert_eq!(ix.expire(T0 + 5000, usize::MAX), 3);
@@ -1212,7 +1212,7 @@ mod tests {
         }
         assert_eq!(ix.blocks(), n as usize);
         let per_block = ix.memory_bytes() as f64 / n as f64;
-        // Lower bound: 16-byte block + 1.5 x 16-byte nodes; upper bound: the 64-byte target.
+        // Lower bound: 24-byte block + 1.5 x 12-byte nodes; upper bound: the 64-byte target.
         assert!((40.0..64.0).contains(&per_block), "{per_block} bytes per block");
         ix.check();
     }
