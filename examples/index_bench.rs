@@ -43,8 +43,11 @@ struct Filled {
     insert_ns: f64,
 }
 
-fn fill(workers: u64) -> Filled {
+fn fill(workers: u64, reserve: bool) -> Filled {
     let mut ix = PrefixIndex::new(TTL_MS);
+    if reserve {
+        ix.reserve(TARGET_BLOCKS);
+    }
     for w in 0..workers {
         ix.set_capacity(w as WorkerId, 1 << 20);
     }
@@ -54,11 +57,14 @@ fn fill(workers: u64) -> Filled {
     let mut inserted = 0u64;
     let start = Instant::now();
     let mut c = 0u64;
+    let mut worst = 0u128;
     for h in &chains {
         if ix.blocks() >= TARGET_BLOCKS {
             break;
         }
+        let one = Instant::now();
         ix.insert((c % workers) as WorkerId, h, T0);
+        worst = worst.max(one.elapsed().as_micros());
         inserted += h.len() as u64;
         if c.is_multiple_of(2) {
             ix.insert(((c + 1) % workers) as WorkerId, h, T0);
@@ -67,6 +73,13 @@ fn fill(workers: u64) -> Filled {
         c += 1;
     }
     let insert_ns = start.elapsed().as_nanos() as f64 / inserted as f64;
+    let holders: usize = (0..workers).map(|w| ix.entries(w as WorkerId)).sum();
+    println!(
+        "        fill {workers} workers (reserve: {reserve}): {} entries, {:.2} holders/block, slowest insert of a 2000-block chain {} µs",
+        holders,
+        holders as f64 / ix.blocks() as f64,
+        worst
+    );
     Filled { ix, chains: c, inserted, insert_ns }
 }
 
@@ -90,7 +103,10 @@ fn main() {
         "workers", "blocks", "B/block", "ins ns/b", "touch ns/b", "hit µs", "miss µs", "hot µs", "stale µs", "µs/100b"
     );
     for workers in [8u64, 64, 256] {
-        let Filled { mut ix, chains, inserted, insert_ns } = fill(workers);
+        if workers == 64 {
+            fill(workers, true);
+        }
+        let Filled { mut ix, chains, inserted, insert_ns } = fill(workers, false);
         let blocks = ix.blocks();
         let bytes = ix.memory_bytes() as f64 / blocks as f64;
 
