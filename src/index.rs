@@ -454,20 +454,15 @@ impl PrefixIndex {
     /// Its capacity setting is kept.
     pub fn clear_worker(&mut self, w: WorkerId) {
         let wi = w as usize;
-        let Some(wk) = self.workers.get(wi) else { return };
+        let Some(slot) = self.workers.get_mut(wi) else { return };
+        // Detach the worker so its list can be walked while block records change.
+        let wk = core::mem::replace(slot, Worker::new(slot.cap));
         let mut l = wk.head;
-        let mut blocks = Vec::with_capacity(wk.count as usize);
         while let Some(n) = wk.nodes.get(l) {
-            blocks.push(n.block);
-            l = n.next;
-        }
-        for b in blocks {
-            if self.holder_remove(b, wi) {
-                self.drop_block(b);
+            if self.holder_remove(n.block, wi) {
+                self.drop_block(n.block);
             }
-        }
-        if let Some(wk) = self.workers.get_mut(wi) {
-            *wk = Worker::new(wk.cap);
+            l = n.next;
         }
     }
 
