@@ -4,7 +4,7 @@
 //! because without KV events from the engines our view can only age out (Dynamo's approximate
 //! mode, llm-d's per-server LRU).
 //!
-//! # Layout (about 50 bytes per block when blocks have 1-2 holders)
+//! # Layout (52-57 bytes per block measured at 1M blocks with 1.5-1.65 holders per block)
 //! - `table`: `HashTable<u32>` of block slots. The 64-bit hash lives in the block record, not in
 //!   the table, so a bucket is 4 bytes + 1 control byte instead of 16 + 1.
 //! - `blocks`: paged slab of 24-byte records `{hash, a, b, sa, sb}`: up to two holders inline
