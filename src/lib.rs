@@ -12,6 +12,7 @@ pub mod load;
 pub mod request;
 pub mod rng;
 pub mod router;
+pub mod replication;
 pub mod select;
 
 #[cfg(feature = "filter")]

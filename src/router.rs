@@ -604,11 +604,13 @@ mod tests {
         let mut b = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 2, 4);
         let text = doc(5, 8000);
         let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
-        let msg = crate::events::encode(std::slice::from_ref(&d.event));
+        let done = a.on_first_byte(&d, 1);
+        let msg = crate::events::encode(&[d.event.clone(), done]);
         for e in crate::events::decode(&msg).unwrap() {
             b.apply(&e, 1);
         }
-        // b has never seen the prompt but routes it where a did, while a's request is active.
+        assert_eq!(b.worker_view(d.decode, 2).inflight, 1);
+        // b has never seen the prompt but routes it where a did, while a's request decodes.
         let db = routed(b.route(ApiKind::Completions, &completion(&text), 2));
         assert_eq!(db.decode, d.decode);
         assert_ne!(db.id, d.id);
