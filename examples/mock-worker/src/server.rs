@@ -67,7 +67,14 @@ pub async fn start(cfg: Config) -> std::io::Result<Handle> {
     http.set_nodelay(true);
     let client = Client::builder(TokioExecutor::new()).build(http);
     let ctx = Arc::new(Ctx { shared: shared.clone(), client, warned_no_decode: AtomicBool::new(false), seq: AtomicU64::new(0) });
-    tokio::spawn(engine::run(shared.clone()));
+    // The engine loop gets its own OS thread (with its own timer runtime) so that hundreds of
+    // busy connections cannot delay a pass: the kernel wakes the mostly-sleeping engine thread
+    // promptly, and tokens that pile up meanwhile leave in one write per connection.
+    let engine_shared = shared.clone();
+    std::thread::Builder::new().name(format!("engine-{}", addr.port())).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("engine runtime");
+        rt.block_on(engine::run(engine_shared));
+    })?;
     tokio::spawn(accept_loop(listener, ctx));
     Ok(Handle { addr, name, shared })
 }
@@ -439,7 +446,17 @@ impl SseBody {
         SseBody { rx, head, kind, max_tokens, include_usage, finished: false }
     }
 
-    fn token_chunk(&self, i: usize) -> Bytes {
+    fn render(&mut self, e: Event) -> String {
+        match e {
+            Event::Token(i) => self.token_chunk(i),
+            Event::Done(u) => {
+                self.finished = true;
+                self.final_chunk(&u)
+            }
+        }
+    }
+
+    fn token_chunk(&self, i: usize) -> String {
         let word = engine::output_text(i);
         let finish = if i + 1 >= self.max_tokens { "\"length\"" } else { "null" };
         let mut s = String::with_capacity(self.head.len() + 160);
@@ -464,10 +481,10 @@ impl SseBody {
         }
         s.push_str(finish);
         s.push_str("}]}\n\n");
-        Bytes::from(s)
+        s
     }
 
-    fn final_chunk(&self, u: &Usage) -> Bytes {
+    fn final_chunk(&self, u: &Usage) -> String {
         let mut s = String::new();
         if self.include_usage {
             s.push_str("data: ");
@@ -477,7 +494,7 @@ impl SseBody {
             s.push_str("}\n\n");
         }
         s.push_str("data: [DONE]\n\n");
-        Bytes::from(s)
+        s
     }
 }
 
@@ -489,18 +506,27 @@ impl Body for SseBody {
         if self.finished {
             return Poll::Ready(None);
         }
-        match self.rx.poll_recv(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Event::Token(i))) => Poll::Ready(Some(Ok(Frame::data(self.token_chunk(i))))),
-            Poll::Ready(Some(Event::Done(u))) => {
-                self.finished = true;
-                Poll::Ready(Some(Ok(Frame::data(self.final_chunk(&u)))))
-            }
+        let mut buf = match self.rx.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
             Poll::Ready(None) => {
                 self.finished = true;
-                Poll::Ready(Some(Err("engine dropped the request".into())))
+                return Poll::Ready(Some(Err("engine dropped the request".into())));
+            }
+            Poll::Ready(Some(e)) => self.render(e),
+        };
+        // Events that queued up while the connection was busy go out in the same write: each
+        // is still its own SSE event, but a loaded process makes fewer syscalls instead of
+        // falling further behind.
+        while !self.finished && buf.len() < 16 * 1024 {
+            match self.rx.try_recv() {
+                Ok(e) => {
+                    let more = self.render(e);
+                    buf.push_str(&more);
+                }
+                Err(_) => break,
             }
         }
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
     }
 
     fn is_end_stream(&self) -> bool {

