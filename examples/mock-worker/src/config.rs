@@ -77,7 +77,7 @@ Server:
   --name NAME                  Worker id sent in the x-worker-id header [default: mock-<port>]
   --model NAME                 Model served and listed by /v1/models [default: mock-model]
   --accept-any-model           Serve any `model` value instead of answering 404 model_not_found
-  --threads N                  Tokio worker threads; 1 runs everything on one thread [default: 1]
+  --threads N                  Tokio threads serving HTTP; the engine loop has its own thread [default: 1]
 
 Engine (vLLM-like defaults):
   --max-model-len N            Longest prompt + max_tokens accepted, in tokens [default: 131072]
