@@ -39,7 +39,7 @@ mock-bench: closed-loop streaming load against one mock-worker
 
   --target HOST:PORT   worker address [default: 127.0.0.1:8300]
   --streams LIST       comma-separated concurrent stream counts [default: 100,250,500,1000]
-  --max-tokens N       output tokens per request [default: 100]
+  --max-tokens N       mean output tokens per request (spread over N/2..3N/2) [default: 100]
   --prompt-words N     words per prompt (about 1.2 tokens each) [default: 24]
   --warmup SECS        ramp time before measuring each step [default: 2]
   --window SECS        measurement window per step [default: 3]
@@ -138,8 +138,10 @@ async fn user(
         for w in 0..a.prompt_words {
             prompt.push_str([" alpha", " beta", " gamma", " delta"][(w + id) % 4]);
         }
+        // Lengths spread over [M/2, 3M/2) so users do not finish and restart in lockstep.
+        let max_tokens = a.max_tokens / 2 + (id * 7919 + round * 31) % a.max_tokens.max(1);
         round += 1;
-        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":{},"stream":true}}"#, a.max_tokens);
+        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":{max_tokens},"stream":true}}"#);
         let req = Request::post(format!("http://{}/v1/completions", a.target))
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body)))
