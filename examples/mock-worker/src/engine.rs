@@ -1,0 +1,598 @@
+//! The simulated engine: a vLLM-style continuous-batching scheduler over the paged KV cache,
+//! driven by one loop task whose passes last as long as Dynamo's mocker model says.
+//!
+//! Each pass is split in two halves around the sleep: `schedule` decides what runs (and
+//! allocates KV), `commit` applies the results (computed tokens, new output tokens). Blocks
+//! become visible to prefix lookups only in `commit`, once they are computed.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify};
+
+use crate::config::Config;
+use crate::kv::{self, BlockId, KvCache};
+use crate::metrics::Metrics;
+use crate::tokenizer;
+
+/// Output vocabulary: short words so each is exactly one token with its leading space, and
+/// the generated text re-tokenizes to the ids the engine cached (a client that sends the
+/// answer back in the next chat turn gets cache hits on it, as with a real engine).
+pub const WORDS: [&str; 32] = [
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "it", "by", "at", "from",
+    "his", "an", "were", "are", "which", "this", "be", "or", "has", "had", "not", "but", "one", "its", "new", "after",
+];
+
+pub fn output_text(i: usize) -> &'static str {
+    static TEXTS: OnceLock<Vec<String>> = OnceLock::new();
+    &TEXTS.get_or_init(|| WORDS.iter().map(|w| format!(" {w}")).collect())[i % WORDS.len()]
+}
+
+fn output_token(i: usize) -> u32 {
+    static IDS: OnceLock<Vec<u32>> = OnceLock::new();
+    IDS.get_or_init(|| (0..WORDS.len()).map(|i| tokenizer::piece_id(output_text(i))).collect())[i % WORDS.len()]
+}
+
+/// Dynamo mocker: milliseconds of one pass with `t` new prefill tokens at KV usage `p`.
+pub fn pass_ms(t: usize, decoding: bool, p: f64) -> f64 {
+    let prefill = if t > 0 {
+        let t = t as f64;
+        4.21e-7 * t * t + 0.01518 * t + 16.5
+    } else {
+        0.0
+    };
+    let decode = if decoding { (-25.74 * p * p + 54.01 * p + 5.74).max(1.0) } else { 0.0 };
+    prefill + decode
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// Output token number `i` (0-based) was produced.
+    Token(usize),
+    Done(Usage),
+}
+
+pub struct NewRequest {
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub salt: Option<String>,
+    /// Leading prompt tokens whose KV arrives from a prefill worker instead of being computed.
+    pub transferred: usize,
+}
+
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    generated: usize,
+    root: u64,
+    hashes: Vec<u64>,
+    blocks: Vec<BlockId>,
+    /// Tokens whose KV is computed (or received).
+    computed: usize,
+    /// Full blocks already registered in the cache.
+    registered: usize,
+    /// Tokens scheduled in the current pass.
+    scheduled: usize,
+    /// Length to (re)compute at admission: the prompt, plus output so far after preemption.
+    prefill_target: usize,
+    transferred: usize,
+    cached_tokens: Option<usize>,
+    arrival: Instant,
+    tx: mpsc::UnboundedSender<Event>,
+}
+
+impl Seq {
+    /// Tokenized prompt to queued sequence; the hashing happens here, outside the engine lock.
+    fn new(req: NewRequest, bs: usize, arrival: Instant) -> (Seq, mpsc::UnboundedReceiver<Event>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let root = kv::chain_root(req.salt.as_deref());
+        let mut hashes = Vec::with_capacity((req.tokens.len() + req.max_tokens) / bs + 1);
+        kv::extend_hashes(&mut hashes, root, &req.tokens, bs);
+        let prompt_len = req.tokens.len();
+        let mut tokens = req.tokens;
+        // Room for the whole output up front: no reallocation while decoding.
+        tokens.reserve_exact(req.max_tokens);
+        let seq = Seq {
+            tokens,
+            prompt_len,
+            max_tokens: req.max_tokens,
+            generated: 0,
+            root,
+            hashes,
+            blocks: Vec::new(),
+            computed: 0,
+            registered: 0,
+            scheduled: 0,
+            prefill_target: prompt_len,
+            transferred: req.transferred,
+            cached_tokens: None,
+            arrival,
+            tx,
+        };
+        (seq, rx)
+    }
+}
+
+/// What one pass costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pass {
+    pub prefill_tokens: usize,
+    pub decode_seqs: usize,
+    pub usage: f64,
+    pub preempted: usize,
+}
+
+impl Pass {
+    pub fn ms(&self) -> f64 {
+        pass_ms(self.prefill_tokens, self.decode_seqs > 0, self.usage)
+    }
+}
+
+pub struct EngineState {
+    pub cache: KvCache,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    block_size: usize,
+    max_batched_tokens: usize,
+    max_num_seqs: usize,
+    pub metrics: Metrics,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Load {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+}
+
+impl EngineState {
+    pub fn new(cfg: &Config) -> Self {
+        EngineState {
+            cache: KvCache::new(cfg.kv_blocks),
+            waiting: VecDeque::new(),
+            running: Vec::with_capacity(cfg.max_num_seqs),
+            block_size: cfg.block_size,
+            max_batched_tokens: cfg.max_batched_tokens,
+            max_num_seqs: cfg.max_num_seqs,
+            metrics: Metrics::default(),
+        }
+    }
+
+    pub fn load(&self) -> Load {
+        Load { running: self.running.len(), waiting: self.waiting.len(), kv_usage: self.cache.usage() }
+    }
+
+    /// Prompt tokens that would be served from cache now: full blocks only, and never the
+    /// last prompt token (it must be computed to produce the first output token).
+    fn hit_blocks(&self, hashes: &[u64], len: usize) -> usize {
+        let max = (len - 1) / self.block_size;
+        self.cache.lookup(&hashes[..max.min(hashes.len())])
+    }
+
+    /// Read-only cache probe: (prompt tokens, cached tokens).
+    pub fn probe(&self, tokens: &[u32], salt: Option<&str>) -> (usize, usize) {
+        let mut hashes = Vec::new();
+        kv::extend_hashes(&mut hashes, kv::chain_root(salt), tokens, self.block_size);
+        (tokens.len(), self.hit_blocks(&hashes, tokens.len()) * self.block_size)
+    }
+
+    pub fn submit(&mut self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
+        let (seq, rx) = Seq::new(req, self.block_size, arrival);
+        self.waiting.push_back(seq);
+        rx
+    }
+
+    /// Prefix-cache probe over precomputed block hashes; see `hit_blocks`.
+    pub fn probe_hashes(&self, hashes: &[u64], len: usize) -> usize {
+        self.hit_blocks(hashes, len) * self.block_size
+    }
+
+    fn preempt(cache: &mut KvCache, mut s: Seq) -> Seq {
+        cache.release(&mut s.blocks);
+        s.computed = 0;
+        s.registered = 0;
+        s.scheduled = 0;
+        s
+    }
+
+    /// First half of a pass. Returns `None` when there is nothing to run.
+    pub fn schedule(&mut self) -> Option<Pass> {
+        let bs = self.block_size;
+        let mut budget = self.max_batched_tokens;
+        let mut preempted = 0;
+        let cache = &mut self.cache;
+
+        // Running requests first, in admission order: one token each when decoding, the next
+        // chunk when still prefilling.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
+            let n = (s.tokens.len() - s.computed).min(budget);
+            let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
+            if cache.allocate(need, &mut self.running[i].blocks) {
+                self.running[i].scheduled = n;
+                budget -= n;
+                i += 1;
+                continue;
+            }
+            // Out of KV: recompute-preempt the newest request and retry (possibly this one).
+            let victim = self.running.pop().expect("running is not empty");
+            self.waiting.push_front(Self::preempt(cache, victim));
+            preempted += 1;
+        }
+
+        // Then admit waiting requests FCFS, unless this pass already had to preempt.
+        while preempted == 0 && budget > 0 && self.running.len() < self.max_num_seqs {
+            let Some(s) = self.waiting.front() else { break };
+            if s.tx.is_closed() {
+                self.waiting.pop_front();
+                continue;
+            }
+            let len = s.tokens.len();
+            let hit = {
+                let max = (len - 1) / bs;
+                cache.lookup(&s.hashes[..max.min(s.hashes.len())])
+            };
+            let first = s.cached_tokens.is_none();
+            let transferred = if first { s.transferred.min(len - 1) } else { 0 };
+            let computed = (hit * bs).max(transferred);
+            let n = (len - computed).min(budget);
+            let need = (computed + n).div_ceil(bs) - hit;
+            let available = cache.free() - cache.free_among_hits(&s.hashes[..hit]);
+            if need > available {
+                break;
+            }
+            let mut s = self.waiting.pop_front().unwrap();
+            cache.acquire_hits(&s.hashes[..hit], &mut s.blocks);
+            assert!(cache.allocate(need, &mut s.blocks));
+            // Transferred KV arrived already computed: its full blocks become cacheable now.
+            let full = computed / bs;
+            kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
+            for j in hit..full {
+                cache.register(s.blocks[j], s.hashes[j]);
+            }
+            s.registered = full;
+            s.computed = computed;
+            s.scheduled = n;
+            s.prefill_target = len;
+            if first {
+                s.cached_tokens = Some(computed);
+                self.metrics.prefix_cache_queries += s.prompt_len as u64;
+                self.metrics.prefix_cache_hits += (hit * bs) as u64;
+            }
+            budget -= n;
+            self.running.push(s);
+        }
+        self.metrics.preemptions += preempted as u64;
+
+        let mut pass = Pass { prefill_tokens: 0, decode_seqs: 0, usage: self.cache.usage(), preempted };
+        for s in &self.running {
+            if s.scheduled == 0 {
+                continue;
+            }
+            if s.computed < s.prefill_target {
+                pass.prefill_tokens += s.scheduled;
+            } else {
+                pass.decode_seqs += 1;
+            }
+        }
+        (pass.prefill_tokens > 0 || pass.decode_seqs > 0).then_some(pass)
+    }
+
+    /// Second half of a pass: the scheduled tokens are computed now.
+    pub fn commit(&mut self, now: Instant) {
+        let bs = self.block_size;
+        let cache = &mut self.cache;
+        let m = &mut self.metrics;
+        self.running.retain_mut(|s| {
+            if s.scheduled == 0 {
+                return true;
+            }
+            s.computed += s.scheduled;
+            s.scheduled = 0;
+            let full = s.computed / bs;
+            if full > s.registered {
+                kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
+                for j in s.registered..full {
+                    cache.register(s.blocks[j], s.hashes[j]);
+                }
+                s.registered = full;
+            }
+            if s.computed < s.tokens.len() {
+                return true; // chunked prefill continues next pass
+            }
+            let idx = s.generated;
+            s.generated += 1;
+            s.tokens.push(output_token(idx));
+            m.generation_tokens += 1;
+            if idx == 0 {
+                m.ttft.observe(now.duration_since(s.arrival).as_secs_f64());
+            }
+            let alive = s.tx.send(Event::Token(idx)).is_ok();
+            let done = s.generated >= s.max_tokens;
+            if done {
+                m.request_success += 1;
+                m.prompt_tokens += s.prompt_len as u64;
+                let _ = s.tx.send(Event::Done(Usage {
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: s.generated,
+                    cached_tokens: s.cached_tokens.unwrap_or(0),
+                }));
+            }
+            if done || !alive {
+                if !done {
+                    m.aborted += 1;
+                }
+                cache.release(&mut s.blocks);
+                return false;
+            }
+            true
+        });
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+}
+
+/// Everything the HTTP side shares with the engine loop.
+pub struct Shared {
+    pub cfg: Config,
+    pub name: String,
+    pub state: Mutex<EngineState>,
+    pub wake: Notify,
+}
+
+impl Shared {
+    pub fn new(cfg: Config, name: String) -> Arc<Self> {
+        Arc::new(Shared { state: Mutex::new(EngineState::new(&cfg)), cfg, name, wake: Notify::new() })
+    }
+
+    pub fn submit(&self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
+        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival);
+        self.state.lock().unwrap().waiting.push_back(seq);
+        self.wake.notify_one();
+        rx
+    }
+
+    pub fn load(&self) -> Load {
+        self.state.lock().unwrap().load()
+    }
+}
+
+/// How far the loop may fall behind its schedule before it stops catching up. Timer
+/// granularity (~1 ms) makes short passes overshoot; accumulating deadlines keeps the average
+/// pass rate exact, and the cap turns a real stall into visible lag instead of a burst of
+/// zero-length passes.
+const MAX_CATCH_UP: Duration = Duration::from_millis(20);
+
+pub async fn run(shared: Arc<Shared>) {
+    let speedup = shared.cfg.speedup;
+    let mut deadline = Instant::now();
+    let mut idle = true;
+    loop {
+        let pass = {
+            let mut st = shared.state.lock().unwrap();
+            let p = st.schedule();
+            if p.is_none() {
+                idle = true;
+            }
+            p
+        };
+        let Some(pass) = pass else {
+            shared.wake.notified().await;
+            continue;
+        };
+        let now = Instant::now();
+        if idle {
+            deadline = now;
+            idle = false;
+        }
+        let dur = Duration::from_secs_f64(pass.ms() / 1000.0 / speedup);
+        deadline += dur;
+        let late = now.saturating_duration_since(deadline);
+        if late > MAX_CATCH_UP {
+            deadline = now;
+        }
+        if deadline > now {
+            tokio::time::sleep_until(deadline.into()).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
+        let end = Instant::now();
+        let mut st = shared.state.lock().unwrap();
+        st.commit(end);
+        st.metrics.passes += 1;
+        st.metrics.simulated_seconds += dur.as_secs_f64();
+        st.metrics.lag_seconds += late.as_secs_f64();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(kv_blocks: usize, budget: usize, seqs: usize) -> Config {
+        Config { kv_blocks, max_batched_tokens: budget, max_num_seqs: seqs, block_size: 4, ..Config::default() }
+    }
+
+    fn req(seed: u32, len: usize, max_tokens: usize) -> NewRequest {
+        NewRequest { tokens: (0..len as u32).map(|i| seed * 100_000 + i).collect(), max_tokens, salt: None, transferred: 0 }
+    }
+
+    /// Runs passes until idle; returns the passes.
+    fn drain(st: &mut EngineState) -> Vec<Pass> {
+        let mut v = vec![];
+        while let Some(p) = st.schedule() {
+            st.commit(Instant::now());
+            v.push(p);
+            assert!(v.len() < 10_000, "engine does not converge");
+        }
+        v
+    }
+
+    fn done(rx: &mut mpsc::UnboundedReceiver<Event>) -> Usage {
+        let mut tokens = 0;
+        while let Ok(e) = rx.try_recv() {
+            match e {
+                Event::Token(i) => {
+                    assert_eq!(i, tokens);
+                    tokens += 1;
+                }
+                Event::Done(u) => {
+                    assert_eq!(u.completion_tokens, tokens);
+                    return u;
+                }
+            }
+        }
+        panic!("request did not finish");
+    }
+
+    #[test]
+    fn timing_model_matches_dynamo() {
+        assert_eq!(pass_ms(0, false, 0.0), 0.0);
+        assert!((pass_ms(1000, false, 0.0) - (0.421 + 15.18 + 16.5)).abs() < 1e-9);
+        assert!((pass_ms(0, true, 0.0) - 5.74).abs() < 1e-9);
+        assert!((pass_ms(0, true, 0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn token_budget_bounds_every_pass_and_prefill_is_chunked() {
+        let mut st = EngineState::new(&cfg(1000, 64, 8));
+        let mut rxs: Vec<_> = (0..4).map(|i| st.submit(req(i, 100, 5), Instant::now())).collect();
+        let passes = drain(&mut st);
+        for p in &passes {
+            assert!(p.prefill_tokens + p.decode_seqs <= 64, "{p:?}");
+        }
+        // 400 prompt tokens at 64 per pass need at least 7 passes of prefill.
+        assert!(passes.iter().filter(|p| p.prefill_tokens > 0).count() >= 7);
+        assert_eq!(passes.iter().map(|p| p.prefill_tokens).sum::<usize>(), 400);
+        for rx in &mut rxs {
+            assert_eq!(done(rx), Usage { prompt_tokens: 100, completion_tokens: 5, cached_tokens: 0 });
+        }
+    }
+
+    #[test]
+    fn decode_one_token_per_running_request_per_pass() {
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        let mut rxs: Vec<_> = (0..3).map(|i| st.submit(req(i, 10, 4), Instant::now())).collect();
+        let p = st.schedule().unwrap();
+        assert_eq!((p.prefill_tokens, p.decode_seqs), (30, 0));
+        st.commit(Instant::now());
+        for rx in &mut rxs {
+            assert!(matches!(rx.try_recv(), Ok(Event::Token(0))));
+        }
+        let p = st.schedule().unwrap();
+        assert_eq!((p.prefill_tokens, p.decode_seqs), (0, 3));
+    }
+
+    #[test]
+    fn prefix_hit_skips_prefill_and_is_reported() {
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        let mut a = st.submit(req(1, 50, 2), Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut a).cached_tokens, 0);
+        assert_eq!(st.probe(&req(1, 50, 2).tokens, None), (50, 48));
+        assert_eq!(st.probe(&req(1, 50, 2).tokens, Some("salt")), (50, 0));
+        let mut b = st.submit(req(1, 50, 2), Instant::now());
+        let p = st.schedule().unwrap();
+        assert_eq!(p.prefill_tokens, 2, "only the tail after 12 cached blocks");
+        st.commit(Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut b).cached_tokens, 48);
+        assert_eq!((st.metrics.prefix_cache_queries, st.metrics.prefix_cache_hits), (100, 48));
+    }
+
+    #[test]
+    fn max_num_seqs_limits_admission() {
+        let mut st = EngineState::new(&cfg(1000, 1000, 2));
+        let _rx: Vec<_> = (0..5).map(|i| st.submit(req(i, 8, 3), Instant::now())).collect();
+        st.schedule();
+        assert_eq!(st.load().running, 2);
+        assert_eq!(st.load().waiting, 3);
+    }
+
+    #[test]
+    fn out_of_kv_preempts_newest_and_everything_finishes() {
+        // 12 blocks of 4 tokens; each request grows to 8 + 12 = 20 tokens = 5 blocks.
+        let mut st = EngineState::new(&cfg(12, 1000, 8));
+        let mut rxs: Vec<_> = (0..3).map(|i| st.submit(req(i, 8, 12), Instant::now())).collect();
+        let mut passes = vec![];
+        let mut max_usage: f64 = 0.0;
+        let mut first_preempt_running = None;
+        while let Some(p) = st.schedule() {
+            max_usage = max_usage.max(p.usage);
+            if p.preempted > 0 && first_preempt_running.is_none() {
+                first_preempt_running = Some(st.running.len());
+                // The newest (seed 2) went back to the head of the queue, computed state lost.
+                let w = st.waiting.front().unwrap();
+                assert_eq!(w.tokens[0], 200_000);
+                assert_eq!((w.computed, w.blocks.len()), (0, 0));
+            }
+            st.commit(Instant::now());
+            passes.push(p);
+        }
+        assert!(st.metrics.preemptions > 0);
+        assert_eq!(first_preempt_running, Some(2));
+        assert!(max_usage <= 1.0);
+        for rx in &mut rxs {
+            assert_eq!(done(rx).completion_tokens, 12);
+        }
+        assert_eq!(st.cache.free(), 12, "all blocks returned");
+    }
+
+    #[test]
+    fn running_requests_blocks_survive_pressure() {
+        let mut st = EngineState::new(&cfg(10, 1000, 8));
+        let _a = st.submit(req(1, 16, 100), Instant::now()); // holds 4+ blocks, decoding long
+        st.schedule();
+        st.commit(Instant::now());
+        let held: Vec<BlockId> = st.running[0].blocks.clone();
+        let mut small: Vec<_> = (2..6).map(|i| st.submit(req(i, 4, 1), Instant::now())).collect();
+        for _ in 0..20 {
+            if st.schedule().is_some() {
+                st.commit(Instant::now());
+            }
+        }
+        assert_eq!(&st.running[0].blocks[..held.len()], &held[..]);
+        for rx in &mut small {
+            done(rx);
+        }
+        assert_eq!(st.cache.lookup(&st.running[0].hashes[..4]), 4);
+    }
+
+    #[test]
+    fn transferred_kv_is_not_prefilled() {
+        let mut st = EngineState::new(&cfg(100, 1000, 8));
+        let mut r = req(1, 40, 3);
+        r.transferred = 40;
+        let mut rx = st.submit(r, Instant::now());
+        let p = st.schedule().unwrap();
+        assert_eq!(p.prefill_tokens, 1, "only the last token is computed");
+        drain(&mut st);
+        assert_eq!(done(&mut rx).cached_tokens, 39);
+        assert_eq!(st.probe(&req(1, 40, 3).tokens, None).1, 36);
+    }
+
+    #[test]
+    fn cancelled_requests_free_their_blocks() {
+        let mut st = EngineState::new(&cfg(100, 1000, 8));
+        let rx = st.submit(req(1, 40, 50), Instant::now());
+        st.schedule();
+        st.commit(Instant::now());
+        assert!(st.cache.free() < 100);
+        drop(rx);
+        drain(&mut st);
+        assert_eq!(st.cache.free(), 100);
+        assert_eq!(st.metrics.aborted, 1);
+    }
+}

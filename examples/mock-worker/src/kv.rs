@@ -1,0 +1,356 @@
+//! Paged KV cache with prefix caching, modelled on vLLM's block manager.
+//!
+//! Blocks are reference-counted by the requests that hold them. A block whose count drops to
+//! zero stays in the hash map (its content is still valid) and joins the tail of a free queue;
+//! allocation takes from the head, so the least recently freed block is evicted first. A
+//! request frees its blocks leaf first, so within one chain the deepest block is evicted
+//! before its parents and a surviving prefix stays usable.
+
+use std::collections::HashMap;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub type BlockId = u32;
+const NONE: u32 = u32::MAX;
+const HASH_SEED: u64 = 1337;
+
+/// Chained hash of one full block: identifies the whole prefix up to and including it.
+pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut buf = [0u8; 8 + 4 * 64];
+    let n = 8 + 4 * tokens.len();
+    if n <= buf.len() {
+        buf[..8].copy_from_slice(&parent.to_le_bytes());
+        for (i, t) in tokens.iter().enumerate() {
+            buf[8 + 4 * i..12 + 4 * i].copy_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&buf[..n], HASH_SEED)
+    } else {
+        let mut v = Vec::with_capacity(n);
+        v.extend_from_slice(&parent.to_le_bytes());
+        for t in tokens {
+            v.extend_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&v, HASH_SEED)
+    }
+}
+
+/// The root of a hash chain; a salt gives a disjoint chain.
+pub fn chain_root(salt: Option<&str>) -> u64 {
+    salt.map_or(0, |s| xxh3_64_with_seed(s.as_bytes(), HASH_SEED ^ 0x5a17))
+}
+
+/// Appends the chained hashes of every full block of `tokens` past the ones already in
+/// `hashes`.
+pub fn extend_hashes(hashes: &mut Vec<u64>, root: u64, tokens: &[u32], block_size: usize) {
+    let full = tokens.len() / block_size;
+    while hashes.len() < full {
+        let i = hashes.len();
+        let parent = if i == 0 { root } else { hashes[i - 1] };
+        hashes.push(block_hash(parent, &tokens[i * block_size..(i + 1) * block_size]));
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Block {
+    refs: u32,
+    /// Set once the block is full and computed; NONE-free blocks without a hash hold nothing
+    /// reusable.
+    hash: Option<u64>,
+    prev: u32,
+    next: u32,
+    in_free: bool,
+}
+
+pub struct KvCache {
+    blocks: Vec<Block>,
+    map: HashMap<u64, BlockId>,
+    head: u32,
+    tail: u32,
+    free_len: usize,
+    pub evictions: u64,
+}
+
+impl KvCache {
+    pub fn new(capacity: usize) -> Self {
+        assert!(capacity > 0 && capacity < NONE as usize);
+        let mut c = KvCache {
+            blocks: vec![Block { refs: 0, hash: None, prev: NONE, next: NONE, in_free: false }; capacity],
+            map: HashMap::with_capacity(capacity),
+            head: NONE,
+            tail: NONE,
+            free_len: 0,
+            evictions: 0,
+        };
+        for b in 0..capacity as u32 {
+            c.push_back(b);
+        }
+        c
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.blocks.len()
+    }
+    /// Blocks available for allocation, including cached blocks nobody holds.
+    pub fn free(&self) -> usize {
+        self.free_len
+    }
+    /// vLLM's `kv_cache_usage_perc`: the fraction of blocks held by requests.
+    pub fn usage(&self) -> f64 {
+        1.0 - self.free_len as f64 / self.blocks.len() as f64
+    }
+    pub fn cached_blocks(&self) -> usize {
+        self.map.len()
+    }
+
+    fn push_back(&mut self, b: BlockId) {
+        let blk = &mut self.blocks[b as usize];
+        blk.prev = self.tail;
+        blk.next = NONE;
+        blk.in_free = true;
+        if self.tail != NONE {
+            self.blocks[self.tail as usize].next = b;
+        } else {
+            self.head = b;
+        }
+        self.tail = b;
+        self.free_len += 1;
+    }
+
+    fn push_front(&mut self, b: BlockId) {
+        let blk = &mut self.blocks[b as usize];
+        blk.prev = NONE;
+        blk.next = self.head;
+        blk.in_free = true;
+        if self.head != NONE {
+            self.blocks[self.head as usize].prev = b;
+        } else {
+            self.tail = b;
+        }
+        self.head = b;
+        self.free_len += 1;
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let Block { prev, next, .. } = self.blocks[b as usize];
+        if prev != NONE {
+            self.blocks[prev as usize].next = next;
+        } else {
+            self.head = next;
+        }
+        if next != NONE {
+            self.blocks[next as usize].prev = prev;
+        } else {
+            self.tail = prev;
+        }
+        let blk = &mut self.blocks[b as usize];
+        blk.in_free = false;
+        blk.prev = NONE;
+        blk.next = NONE;
+        self.free_len -= 1;
+    }
+
+    /// Number of leading `hashes` present in the cache. Read-only: probing never changes
+    /// eviction order.
+    pub fn lookup(&self, hashes: &[u64]) -> usize {
+        hashes.iter().take_while(|h| self.map.contains_key(h)).count()
+    }
+
+    /// Of the first `n` hit blocks, how many sit in the free queue (taking them reduces what
+    /// can be allocated).
+    pub fn free_among_hits(&self, hashes: &[u64]) -> usize {
+        hashes.iter().filter(|h| self.blocks[self.map[h] as usize].refs == 0).count()
+    }
+
+    /// Takes a reference on each cached block of `hashes` (all must be present) and appends
+    /// them to `out`.
+    pub fn acquire_hits(&mut self, hashes: &[u64], out: &mut Vec<BlockId>) {
+        for h in hashes {
+            let b = self.map[h];
+            if self.blocks[b as usize].in_free {
+                self.unlink(b);
+            }
+            self.blocks[b as usize].refs += 1;
+            out.push(b);
+        }
+    }
+
+    /// Allocates `n` fresh blocks onto `out`, evicting the least recently freed cached blocks.
+    /// All or nothing.
+    pub fn allocate(&mut self, n: usize, out: &mut Vec<BlockId>) -> bool {
+        if n > self.free_len {
+            return false;
+        }
+        for _ in 0..n {
+            let b = self.head;
+            self.unlink(b);
+            let blk = &mut self.blocks[b as usize];
+            if let Some(h) = blk.hash.take() {
+                // Another block may have taken over the hash since; only drop our own entry.
+                if self.map.get(&h) == Some(&b) {
+                    self.map.remove(&h);
+                }
+                self.evictions += 1;
+            }
+            self.blocks[b as usize].refs = 1;
+            out.push(b);
+        }
+        true
+    }
+
+    /// Marks a held, now full and computed block as holding the prefix `hash`. If an equal
+    /// block is already cached the first one stays canonical (as in vLLM; duplicates are
+    /// simply not shared).
+    pub fn register(&mut self, b: BlockId, hash: u64) {
+        let blk = &mut self.blocks[b as usize];
+        if blk.hash.is_some() {
+            return;
+        }
+        if let std::collections::hash_map::Entry::Vacant(e) = self.map.entry(hash) {
+            e.insert(b);
+            blk.hash = Some(hash);
+        }
+    }
+
+    /// Drops a request's references, leaf first. Blocks with reusable content go to the tail
+    /// of the free queue; empty ones to the head, because keeping them protects nothing.
+    pub fn release(&mut self, blocks: &mut Vec<BlockId>) {
+        while let Some(b) = blocks.pop() {
+            let blk = &mut self.blocks[b as usize];
+            debug_assert!(blk.refs > 0);
+            blk.refs -= 1;
+            if blk.refs == 0 {
+                if blk.hash.is_some() {
+                    self.push_back(b);
+                } else {
+                    self.push_front(b);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub fn refs(&self, b: BlockId) -> u32 {
+        self.blocks[b as usize].refs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(seed: u32, blocks: usize) -> Vec<u64> {
+        let toks: Vec<u32> = (0..(blocks * 4) as u32).map(|i| i + seed * 1000).collect();
+        let mut h = vec![];
+        extend_hashes(&mut h, 0, &toks, 4);
+        h
+    }
+
+    /// Holds a chain as one request would: allocate, register, and return the blocks.
+    fn fill(c: &mut KvCache, hashes: &[u64]) -> Vec<BlockId> {
+        let hit = c.lookup(hashes);
+        let mut blocks = vec![];
+        c.acquire_hits(&hashes[..hit], &mut blocks);
+        assert!(c.allocate(hashes.len() - hit, &mut blocks));
+        for (b, h) in blocks.clone().into_iter().zip(hashes) {
+            c.register(b, *h);
+        }
+        blocks
+    }
+
+    #[test]
+    fn prefix_reuse_after_release() {
+        let mut c = KvCache::new(8);
+        let a = chain(1, 3);
+        let mut held = fill(&mut c, &a);
+        assert_eq!(c.usage(), 3.0 / 8.0);
+        c.release(&mut held);
+        assert_eq!(c.free(), 8);
+        assert_eq!(c.lookup(&a), 3);
+        // A longer request with the same prefix reuses the 3 blocks and takes 2 new ones.
+        let mut longer = chain(1, 5);
+        assert_eq!(&longer[..3], &a[..]);
+        let b = fill(&mut c, &longer);
+        assert_eq!(c.free(), 3);
+        assert_eq!(c.evictions, 0);
+        longer.truncate(0);
+        drop(b);
+    }
+
+    #[test]
+    fn eviction_is_lru_and_leaf_first() {
+        let mut c = KvCache::new(6);
+        let a = chain(1, 3);
+        let b = chain(2, 3);
+        let mut ha = fill(&mut c, &a);
+        let mut hb = fill(&mut c, &b);
+        c.release(&mut ha); // a freed first: least recently used
+        c.release(&mut hb);
+        let mut out = vec![];
+        assert!(c.allocate(1, &mut out));
+        // The leaf of the older chain went; its first two blocks still hit.
+        assert_eq!(c.lookup(&a), 2);
+        assert_eq!(c.lookup(&b), 3);
+        assert!(c.allocate(2, &mut out));
+        assert_eq!(c.lookup(&a), 0);
+        assert_eq!(c.lookup(&b), 3);
+        assert!(c.allocate(1, &mut out));
+        assert_eq!(c.lookup(&b), 2, "then the leaf of the next chain");
+        assert_eq!(c.evictions, 4);
+    }
+
+    #[test]
+    fn probing_does_not_touch_lru_order() {
+        let mut c = KvCache::new(4);
+        let a = chain(1, 2);
+        let b = chain(2, 2);
+        let mut ha = fill(&mut c, &a);
+        let mut hb = fill(&mut c, &b);
+        c.release(&mut ha);
+        c.release(&mut hb);
+        for _ in 0..10 {
+            assert_eq!(c.lookup(&a), 2);
+        }
+        let mut out = vec![];
+        assert!(c.allocate(2, &mut out));
+        assert_eq!(c.lookup(&a), 0, "a was still least recent");
+        assert_eq!(c.lookup(&b), 2);
+    }
+
+    #[test]
+    fn held_blocks_are_never_evicted() {
+        let mut c = KvCache::new(4);
+        let a = chain(1, 2);
+        let held = fill(&mut c, &a);
+        // A second holder of the same prefix shares the blocks.
+        let mut second = vec![];
+        c.acquire_hits(&a, &mut second);
+        assert_eq!(second, held);
+        assert!(held.iter().all(|&b| c.refs(b) == 2));
+        let mut out = vec![];
+        assert!(!c.allocate(3, &mut out), "only 2 blocks are free");
+        assert!(out.is_empty(), "failed allocation takes nothing");
+        assert!(c.allocate(2, &mut out));
+        assert!(!c.allocate(1, &mut out));
+        assert_eq!(c.lookup(&a), 2);
+        c.release(&mut second);
+        assert_eq!(c.free(), 0, "still held by the first request");
+        let mut first = held.clone();
+        c.release(&mut first);
+        assert_eq!(c.free(), 2);
+        assert_eq!(c.lookup(&a), 2);
+    }
+
+    #[test]
+    fn unhashed_blocks_are_reused_before_cached_ones() {
+        let mut c = KvCache::new(3);
+        let a = chain(1, 1);
+        let mut ha = fill(&mut c, &a);
+        c.release(&mut ha);
+        let mut partial = vec![];
+        assert!(c.allocate(1, &mut partial));
+        c.release(&mut partial); // never registered: goes to the head
+        let mut out = vec![];
+        assert!(c.allocate(2, &mut out));
+        assert_eq!(c.lookup(&a), 1);
+    }
+}

@@ -1,0 +1,12 @@
+//! mock-worker: a vLLM-like inference engine simulator. See README.md.
+
+pub mod api;
+pub mod config;
+pub mod engine;
+pub mod kv;
+pub mod metrics;
+pub mod server;
+pub mod tokenizer;
+
+pub use config::Config;
+pub use server::{start, Handle};

@@ -1,0 +1,535 @@
+//! HTTP front end (hyper 1, HTTP/1.1): OpenAI routes, SSE streaming, ORCA load reports,
+//! metrics, the cache probe and the prefill-to-decode handoff.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, Limited};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::api::{self, ApiError, Kind, Parsed};
+use crate::config::{Config, Role};
+use crate::engine::{self, Event, Load, NewRequest, Shared, Usage};
+use crate::kv;
+use crate::metrics;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type RespBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Request header on a decode worker: the first N prompt tokens arrive as transferred KV.
+pub const KV_TRANSFER_HEADER: &str = "x-kvroute-kv-transfer";
+pub const WORKER_ID_HEADER: &str = "x-worker-id";
+pub const PREFILL_WORKER_ID_HEADER: &str = "x-prefill-worker-id";
+pub const PREFILL_CACHED_HEADER: &str = "x-prefill-cached-tokens";
+pub const ORCA_FORMAT_HEADER: &str = "endpoint-load-metrics-format";
+pub const ORCA_HEADER: &str = "endpoint-load-metrics";
+/// The decode worker's own ORCA report, kept when a prefill worker relays its response.
+pub const DECODE_ORCA_HEADER: &str = "x-decode-endpoint-load-metrics";
+
+/// Largest accepted request body; far above any prompt within --max-model-len.
+const BODY_LIMIT: usize = 64 << 20;
+
+struct Ctx {
+    shared: Arc<Shared>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    warned_no_decode: AtomicBool,
+    seq: AtomicU64,
+}
+
+/// A running server (used by `main` and by in-process tests).
+pub struct Handle {
+    pub addr: SocketAddr,
+    pub name: String,
+    pub shared: Arc<Shared>,
+}
+
+/// Binds, spawns the engine loop and the accept loop on the current runtime, and returns.
+pub async fn start(cfg: Config) -> std::io::Result<Handle> {
+    cfg.validate().map_err(std::io::Error::other)?;
+    let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
+    let addr = listener.local_addr()?;
+    let name = cfg.worker_name(addr.port());
+    let shared = Shared::new(cfg, name.clone());
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    let client = Client::builder(TokioExecutor::new()).build(http);
+    let ctx = Arc::new(Ctx { shared: shared.clone(), client, warned_no_decode: AtomicBool::new(false), seq: AtomicU64::new(0) });
+    // The engine loop gets its own OS thread (with its own timer runtime) so that hundreds of
+    // busy connections cannot delay a pass: the kernel wakes the mostly-sleeping engine thread
+    // promptly, and tokens that pile up meanwhile leave in one write per connection.
+    let engine_shared = shared.clone();
+    std::thread::Builder::new().name(format!("engine-{}", addr.port())).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("engine runtime");
+        rt.block_on(engine::run(engine_shared));
+    })?;
+    tokio::spawn(accept_loop(listener, ctx));
+    Ok(Handle { addr, name, shared })
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Typically out of file descriptors: back off instead of spinning.
+                eprintln!("mock-worker: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| handle(req, ctx.clone()));
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+fn full(b: impl Into<Bytes>) -> RespBody {
+    Full::new(b.into()).map_err(|e| match e {}).boxed_unsync()
+}
+
+fn respond(status: StatusCode, ctype: &'static str, body: impl Into<Bytes>, worker: &str) -> Response<RespBody> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(ctype));
+    if let Ok(v) = HeaderValue::from_str(worker) {
+        h.insert(WORKER_ID_HEADER, v);
+    }
+    r
+}
+
+fn error(e: &ApiError, worker: &str) -> Response<RespBody> {
+    respond(StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), "application/json", e.body(), worker)
+}
+
+/// The ORCA report in vLLM's format (`TEXT` or `JSON`), if the request asked for one.
+pub fn orca_value(format: Option<&HeaderValue>, load: Load) -> Option<HeaderValue> {
+    let f = format?.to_str().ok()?.trim();
+    let s = if f.eq_ignore_ascii_case("TEXT") {
+        format!(
+            "TEXT named_metrics.kv_cache_usage_perc={},named_metrics.num_requests_waiting={},named_metrics.num_requests_running={}",
+            load.kv_usage, load.waiting, load.running
+        )
+    } else if f.eq_ignore_ascii_case("JSON") {
+        format!(
+            "JSON {}",
+            json!({"named_metrics": {"kv_cache_usage_perc": load.kv_usage, "num_requests_waiting": load.waiting, "num_requests_running": load.running}})
+        )
+    } else {
+        return None;
+    };
+    HeaderValue::from_str(&s).ok()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBody>, Infallible> {
+    let name = ctx.shared.name.as_str();
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let resp = match (method.clone(), path.as_str()) {
+        (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "", name),
+        (Method::GET, "/v1/models") => {
+            let cfg = &ctx.shared.cfg;
+            let body = json!({"object": "list", "data": [{
+                "id": cfg.model, "object": "model", "created": 0, "owned_by": "kvroute-mock",
+                "root": cfg.model, "max_model_len": cfg.max_model_len}]});
+            respond(StatusCode::OK, "application/json", body.to_string(), name)
+        }
+        (Method::GET, "/metrics") => {
+            let cfg = &ctx.shared.cfg;
+            let text = {
+                let st = ctx.shared.state.lock().unwrap();
+                let info = metrics::Info { model: &cfg.model, block_size: cfg.block_size, kv_blocks: cfg.kv_blocks, name };
+                metrics::render(&st.metrics, st.load(), &info)
+            };
+            respond(StatusCode::OK, "text/plain; version=0.0.4", text, name)
+        }
+        (Method::POST, "/v1/completions") => inference(req, ctx.clone(), Kind::Completion).await,
+        (Method::POST, "/v1/chat/completions") => inference(req, ctx.clone(), Kind::Chat).await,
+        (Method::POST, "/v1/cache/probe") => probe(req, &ctx).await,
+        (_, "/health" | "/v1/models" | "/metrics" | "/v1/completions" | "/v1/chat/completions" | "/v1/cache/probe") => {
+            let e = ApiError { status: 405, ..ApiError::bad(format!("method {method} not allowed on {path}"), None) };
+            error(&e, name)
+        }
+        _ => error(&ApiError::not_found(format!("no route for {method} {path}"), "not_found"), name),
+    };
+    Ok(resp)
+}
+
+async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
+    match Limited::new(body, BODY_LIMIT).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ApiError { status: 413, ..ApiError::bad(format!("request body over {BODY_LIMIT} bytes"), None) })
+        }
+        Err(e) => Err(ApiError::bad(format!("could not read the request body: {e}"), None)),
+    }
+}
+
+async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
+    let name = ctx.shared.name.as_str();
+    let parsed = match read_body(req.into_body()).await.and_then(|b| api::parse(&b, None)) {
+        Ok(p) => p,
+        Err(e) => return error(&e, name),
+    };
+    let bs = ctx.shared.cfg.block_size;
+    let mut hashes = Vec::with_capacity(parsed.tokens.len() / bs);
+    kv::extend_hashes(&mut hashes, kv::chain_root(parsed.cache_salt.as_deref()), &parsed.tokens, bs);
+    let cached = ctx.shared.state.lock().unwrap().probe_hashes(&hashes, parsed.tokens.len());
+    let body = json!({"prompt_tokens": parsed.tokens.len(), "cached_tokens": cached});
+    respond(StatusCode::OK, "application/json", body.to_string(), name)
+}
+
+/// Validates what the engine can serve.
+fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
+    if let Some(m) = &p.model {
+        if m != &cfg.model && !cfg.accept_any_model {
+            return Err(ApiError::not_found(format!("The model `{m}` does not exist."), "model_not_found"));
+        }
+    }
+    let len = p.tokens.len();
+    if !p.max_tokens_given && len < cfg.max_model_len {
+        // Like vLLM, an absent max_tokens shrinks to what fits.
+        p.max_tokens = p.max_tokens.min(cfg.max_model_len - len);
+    }
+    if len + p.max_tokens > cfg.max_model_len {
+        return Err(ApiError::bad(
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} in the completion). Please reduce the length of the prompt or completion.",
+                cfg.max_model_len,
+                len + p.max_tokens,
+                len,
+                p.max_tokens
+            ),
+            Some(if p.kind == Kind::Chat { "messages" } else { "prompt" }),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    // A sequence larger than the whole cache could never run; refuse it rather than
+    // preempting it forever.
+    let cap = cfg.kv_blocks * cfg.block_size;
+    if len + p.max_tokens > cap {
+        return Err(ApiError::bad(
+            format!("prompt plus max_tokens ({}) exceeds the KV cache capacity of {cap} tokens", len + p.max_tokens),
+            Some("max_tokens"),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Response<RespBody> {
+    let arrival = Instant::now();
+    let shared = &ctx.shared;
+    let name = shared.name.as_str();
+    let cfg = &shared.cfg;
+    let orca_fmt = req.headers().get(ORCA_FORMAT_HEADER).cloned();
+    let decode_ep = header_str(&req, &cfg.decode_endpoint_header).map(str::to_string);
+    let transferred = match header_str(&req, KV_TRANSFER_HEADER).map(|v| v.trim().parse::<usize>()) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return error(&ApiError::bad(format!("{KV_TRANSFER_HEADER} must be a token count"), None), name);
+        }
+    };
+    let path = req.uri().path().to_string();
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return error(&e, name),
+    };
+    let mut parsed = match api::parse(&body, Some(kind == Kind::Chat)) {
+        Ok(p) => p,
+        Err(e) => return error(&e, name),
+    };
+    if let Err(e) = check(&mut parsed, cfg) {
+        return error(&e, name);
+    }
+
+    if cfg.role == Role::Prefill {
+        match decode_ep {
+            Some(ep) => return prefill_handoff(ctx.clone(), parsed, body, path, ep, orca_fmt, arrival).await,
+            None => {
+                if !ctx.warned_no_decode.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "mock-worker {name}: warning: prefill-role worker got a request without {}; serving it locally (logged once)",
+                        cfg.decode_endpoint_header
+                    );
+                }
+            }
+        }
+    }
+
+    let prompt_len = parsed.tokens.len();
+    let rx = shared.submit(
+        NewRequest { tokens: parsed.tokens, max_tokens: parsed.max_tokens, salt: parsed.cache_salt, transferred },
+        arrival,
+    );
+    let n = ctx.seq.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Chat => format!("chatcmpl-{name}-{n}"),
+        Kind::Completion => format!("cmpl-{name}-{n}"),
+    };
+    let model = parsed.model.clone().unwrap_or_else(|| cfg.model.clone());
+    if parsed.stream {
+        // Streaming headers go out now, as vLLM's do, so the load report is taken now.
+        let orca = orca_value(orca_fmt.as_ref(), shared.load());
+        let sse = SseBody::new(rx, &id, &model, kind, parsed.max_tokens, parsed.include_usage);
+        let mut r = Response::new(sse.boxed_unsync());
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert("cache-control", HeaderValue::from_static("no-cache"));
+        if let Ok(v) = HeaderValue::from_str(name) {
+            h.insert(WORKER_ID_HEADER, v);
+        }
+        if let Some(v) = orca {
+            h.insert(ORCA_HEADER, v);
+        }
+        return r;
+    }
+    let usage = match wait_done(rx).await {
+        Some(u) => u,
+        None => {
+            let e = ApiError { status: 500, kind: "internal_error", ..ApiError::bad("request was dropped by the engine", None) };
+            return error(&e, name);
+        }
+    };
+    debug_assert_eq!(usage.prompt_tokens, prompt_len);
+    let text: String = (0..usage.completion_tokens).map(engine::output_text).collect();
+    let choice = match kind {
+        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"}),
+        Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}),
+    };
+    let body = json!({
+        "id": id,
+        "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+        "created": unix_now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(&usage),
+    });
+    let mut r = respond(StatusCode::OK, "application/json", body.to_string(), name);
+    if let Some(v) = orca_value(orca_fmt.as_ref(), shared.load()) {
+        r.headers_mut().insert(ORCA_HEADER, v);
+    }
+    r
+}
+
+fn usage_json(u: &Usage) -> serde_json::Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<Usage> {
+    while let Some(e) = rx.recv().await {
+        if let Event::Done(u) = e {
+            return Some(u);
+        }
+    }
+    None
+}
+
+/// Prefill role: compute the prompt here, wait out the simulated KV transfer, then let the
+/// decode worker produce the output and relay its response.
+async fn prefill_handoff(
+    ctx: Arc<Ctx>,
+    parsed: Parsed,
+    body: Bytes,
+    path: String,
+    decode: String,
+    orca_fmt: Option<HeaderValue>,
+    arrival: Instant,
+) -> Response<RespBody> {
+    let shared = &ctx.shared;
+    let name = shared.name.as_str();
+    let cfg = &shared.cfg;
+    let rx = shared.submit(
+        NewRequest { tokens: parsed.tokens, max_tokens: 1, salt: parsed.cache_salt, transferred: 0 },
+        arrival,
+    );
+    let Some(usage) = wait_done(rx).await else {
+        let e = ApiError { status: 500, kind: "internal_error", ..ApiError::bad("prefill was dropped by the engine", None) };
+        return error(&e, name);
+    };
+    let own_orca = orca_value(orca_fmt.as_ref(), shared.load());
+    let secs = usage.prompt_tokens as f64 * cfg.kv_bytes_per_token / cfg.kv_transfer_bandwidth / cfg.speedup;
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+
+    let uri = format!("http://{decode}{path}");
+    let mut out = Request::builder()
+        .method(Method::POST)
+        .uri(&uri)
+        .header(CONTENT_TYPE, "application/json")
+        .header(KV_TRANSFER_HEADER, usage.prompt_tokens.to_string());
+    if let Some(f) = &orca_fmt {
+        out = out.header(ORCA_FORMAT_HEADER, f.clone());
+    }
+    let out = match out.body(Full::new(body)) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(&ApiError::bad(format!("bad decode endpoint {decode:?}: {e}"), None), name);
+        }
+    };
+    let resp = match ctx.client.request(out).await {
+        Ok(r) => r,
+        Err(e) => {
+            let e = ApiError {
+                status: 502,
+                kind: "upstream_error",
+                ..ApiError::bad(format!("decode worker {decode} failed: {e}"), None)
+            };
+            return error(&e, name);
+        }
+    };
+    let (mut parts, incoming) = resp.into_parts();
+    let h = &mut parts.headers;
+    if let Some(v) = h.remove(ORCA_HEADER) {
+        h.insert(HeaderName::from_static(DECODE_ORCA_HEADER), v);
+    }
+    if let Some(v) = own_orca {
+        h.insert(ORCA_HEADER, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(name) {
+        h.insert(PREFILL_WORKER_ID_HEADER, v);
+    }
+    h.insert(PREFILL_CACHED_HEADER, HeaderValue::from(usage.cached_tokens));
+    // The relay is chunk by chunk: hyper hands frames through as they arrive.
+    let body = incoming.map_err(|e| Box::new(e) as BoxError).boxed_unsync();
+    Response::from_parts(parts, body)
+}
+
+/// Pre-rendered pieces of one request's SSE chunks, so a token costs one small allocation.
+struct SseBody {
+    rx: mpsc::UnboundedReceiver<Event>,
+    head: String,
+    kind: Kind,
+    max_tokens: usize,
+    include_usage: bool,
+    finished: bool,
+}
+
+impl SseBody {
+    fn new(rx: mpsc::UnboundedReceiver<Event>, id: &str, model: &str, kind: Kind, max_tokens: usize, include_usage: bool) -> Self {
+        let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let head = format!(
+            "{{\"id\":{},\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[",
+            json!(id),
+            unix_now(),
+            json!(model)
+        );
+        SseBody { rx, head, kind, max_tokens, include_usage, finished: false }
+    }
+
+    fn render(&mut self, e: Event) -> String {
+        match e {
+            Event::Token(i) => self.token_chunk(i),
+            Event::Done(u) => {
+                self.finished = true;
+                self.final_chunk(&u)
+            }
+        }
+    }
+
+    fn token_chunk(&self, i: usize) -> String {
+        let word = engine::output_text(i);
+        let finish = if i + 1 >= self.max_tokens { "\"length\"" } else { "null" };
+        let mut s = String::with_capacity(self.head.len() + 160);
+        if i == 0 && self.kind == Kind::Chat {
+            s.push_str("data: ");
+            s.push_str(&self.head);
+            s.push_str("{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+        }
+        s.push_str("data: ");
+        s.push_str(&self.head);
+        match self.kind {
+            Kind::Chat => {
+                s.push_str("{\"index\":0,\"delta\":{\"content\":\"");
+                s.push_str(word);
+                s.push_str("\"},\"logprobs\":null,\"finish_reason\":");
+            }
+            Kind::Completion => {
+                s.push_str("{\"index\":0,\"text\":\"");
+                s.push_str(word);
+                s.push_str("\",\"logprobs\":null,\"finish_reason\":");
+            }
+        }
+        s.push_str(finish);
+        s.push_str("}]}\n\n");
+        s
+    }
+
+    fn final_chunk(&self, u: &Usage) -> String {
+        let mut s = String::new();
+        if self.include_usage {
+            s.push_str("data: ");
+            s.push_str(&self.head);
+            s.push_str("],\"usage\":");
+            s.push_str(&usage_json(u).to_string());
+            s.push_str("}\n\n");
+        }
+        s.push_str("data: [DONE]\n\n");
+        s
+    }
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        let mut buf = match self.rx.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => {
+                self.finished = true;
+                return Poll::Ready(Some(Err("engine dropped the request".into())));
+            }
+            Poll::Ready(Some(e)) => self.render(e),
+        };
+        // Events that queued up while the connection was busy go out in the same write: each
+        // is still its own SSE event, but a loaded process makes fewer syscalls instead of
+        // falling further behind.
+        while !self.finished && buf.len() < 16 * 1024 {
+            match self.rx.try_recv() {
+                Ok(e) => {
+                    let more = self.render(e);
+                    buf.push_str(&more);
+                }
+                Err(_) => break,
+            }
+        }
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+    }
+}
