@@ -323,8 +323,9 @@ impl Config {
         }
         for (i, w) in self.workers.iter().enumerate() {
             let at = |k: &str| format!("workers[{i}].{k}");
-            if w.name.trim().is_empty() {
-                return Err(err(at("name"), "must not be empty"));
+            if w.name.is_empty() || !w.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                // Names become parts of Envoy stat names and Prometheus labels.
+                return Err(err(at("name"), "must be non-empty letters, digits, '-' or '_'"));
             }
             if let Some(j) = self.workers[..i].iter().position(|o| o.name == w.name) {
                 return Err(err(at("name"), format!("duplicate of workers[{j}].name {:?}", w.name)));
@@ -451,6 +452,7 @@ mod tests {
         let cases = [
             (r#"{}"#, "workers"),
             (r#"{"workers":[{"name":"a"},{"name":"a"}]}"#, "workers[1].name"),
+            (r#"{"workers":[{"name":"a.b"}]}"#, "workers[0].name"),
             (r#"{"workers":[{"name":"a","endpoint":"nope"}]}"#, "workers[0].endpoint"),
             (r#"{"workers":[{"name":"a","kv_blocks":0}]}"#, "workers[0].kv_blocks"),
             (r#"{"workers":[{"name":"a","role":"prefill"}]}"#, "workers"),

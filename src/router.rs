@@ -441,7 +441,10 @@ impl Router {
         }
         if let Some(c) = u.cached_tokens {
             out.actual_hit = Some(f64::from(c.min(u.prompt_tokens)) / f64::from(u.prompt_tokens));
-            out.overpredicted = c.saturating_add(self.cfg.block_size) < d.overlap_tokens;
+            // Compare fractions: the token estimate of a text prompt may be off while the
+            // block prediction is right. One block of slack for the engine's partial block.
+            let predicted = d.predicted_hit() * f64::from(u.prompt_tokens);
+            out.overpredicted = f64::from(c) + f64::from(self.cfg.block_size) < predicted;
         }
         let mut ev = None;
         if !d.exact_tokens && d.prompt_bytes_est > 0.0 {
