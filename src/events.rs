@@ -26,15 +26,35 @@ pub enum Event {
         prefill_tokens: u32,
         hashes: Vec<u64>,
     },
-    PrefillDone { id: RequestId },
-    Free { id: RequestId },
-    Report { worker: WorkerId, kv_usage: f32, waiting: u32, running: Option<u32>, at_ms: u64 },
-    Failed { worker: WorkerId, at_ms: u64 },
-    Recovered { worker: WorkerId },
+    PrefillDone {
+        id: RequestId,
+    },
+    Free {
+        id: RequestId,
+    },
+    Report {
+        worker: WorkerId,
+        kv_usage: f32,
+        waiting: u32,
+        running: Option<u32>,
+        at_ms: u64,
+    },
+    Failed {
+        worker: WorkerId,
+        at_ms: u64,
+    },
+    Recovered {
+        worker: WorkerId,
+    },
     /// The worker does not hold these blocks (its request failed before computing them).
-    Forget { worker: WorkerId, hashes: Vec<u64> },
+    Forget {
+        worker: WorkerId,
+        hashes: Vec<u64>,
+    },
     /// New chars-per-token estimate for text prompts.
-    Calibrate { chars_per_token: f64 },
+    Calibrate {
+        chars_per_token: f64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +69,9 @@ impl core::fmt::Display for DecodeError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         match self {
             DecodeError::Empty => write!(f, "empty replication message"),
-            DecodeError::Version(v) => write!(f, "replication message version {v}, expected {VERSION}"),
+            DecodeError::Version(v) => {
+                write!(f, "replication message version {v}, expected {VERSION}")
+            }
             DecodeError::Truncated => write!(f, "truncated replication message"),
             DecodeError::UnknownTag(t) => write!(f, "unknown replication event tag {t}"),
         }
@@ -67,7 +89,16 @@ pub fn encode(events: &[Event]) -> Vec<u8> {
 
 fn encode_one(e: &Event, o: &mut Vec<u8>) {
     match e {
-        Event::Routed { id, now_ms, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } => {
+        Event::Routed {
+            id,
+            now_ms,
+            worker,
+            prefill_worker,
+            cached_blocks,
+            tail_blocks,
+            prefill_tokens,
+            hashes,
+        } => {
             o.push(1);
             put_u64(o, *id);
             put_u64(o, *now_ms);
@@ -86,7 +117,13 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             o.push(3);
             put_u64(o, *id);
         }
-        Event::Report { worker, kv_usage, waiting, running, at_ms } => {
+        Event::Report {
+            worker,
+            kv_usage,
+            waiting,
+            running,
+            at_ms,
+        } => {
             o.push(4);
             put_u16(o, *worker);
             put_u32(o, kv_usage.to_bits());
@@ -141,22 +178,51 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             let prefill_tokens = r.u32().ok_or(t)?;
             let hashes = r.hashes().ok_or(t)?;
             let prefill_worker = (pw != NO_WORKER).then_some(pw);
-            Event::Routed { id, now_ms, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes }
+            Event::Routed {
+                id,
+                now_ms,
+                worker,
+                prefill_worker,
+                cached_blocks,
+                tail_blocks,
+                prefill_tokens,
+                hashes,
+            }
         }
-        2 => Event::PrefillDone { id: r.u64().ok_or(t)? },
-        3 => Event::Free { id: r.u64().ok_or(t)? },
+        2 => Event::PrefillDone {
+            id: r.u64().ok_or(t)?,
+        },
+        3 => Event::Free {
+            id: r.u64().ok_or(t)?,
+        },
         4 => {
             let worker = r.u16().ok_or(t)?;
             let kv_usage = f32::from_bits(r.u32().ok_or(t)?);
             let waiting = r.u32().ok_or(t)?;
             let running = r.u32().ok_or(t)?;
             let at_ms = r.u64().ok_or(t)?;
-            Event::Report { worker, kv_usage, waiting, running: (running != NO_COUNT).then_some(running), at_ms }
+            Event::Report {
+                worker,
+                kv_usage,
+                waiting,
+                running: (running != NO_COUNT).then_some(running),
+                at_ms,
+            }
         }
-        5 => Event::Failed { worker: r.u16().ok_or(t)?, at_ms: r.u64().ok_or(t)? },
-        6 => Event::Recovered { worker: r.u16().ok_or(t)? },
-        7 => Event::Forget { worker: r.u16().ok_or(t)?, hashes: r.hashes().ok_or(t)? },
-        8 => Event::Calibrate { chars_per_token: f64::from_bits(r.u64().ok_or(t)?) },
+        5 => Event::Failed {
+            worker: r.u16().ok_or(t)?,
+            at_ms: r.u64().ok_or(t)?,
+        },
+        6 => Event::Recovered {
+            worker: r.u16().ok_or(t)?,
+        },
+        7 => Event::Forget {
+            worker: r.u16().ok_or(t)?,
+            hashes: r.hashes().ok_or(t)?,
+        },
+        8 => Event::Calibrate {
+            chars_per_token: f64::from_bits(r.u64().ok_or(t)?),
+        },
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -193,19 +259,31 @@ impl<'a> Reader<'a> {
         self.take(1).and_then(|b| b.first().copied())
     }
     fn u16(&mut self) -> Option<u16> {
-        self.take(2).and_then(|b| b.try_into().ok()).map(u16::from_le_bytes)
+        self.take(2)
+            .and_then(|b| b.try_into().ok())
+            .map(u16::from_le_bytes)
     }
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes)
+        self.take(4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_le_bytes)
     }
     fn u64(&mut self) -> Option<u64> {
-        self.take(8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
+        self.take(8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
     }
     fn hashes(&mut self) -> Option<Vec<u64>> {
         let n = self.u32()? as usize;
         // Check the length against the bytes present before allocating.
         let bytes = self.take(n.checked_mul(8)?)?;
-        Some(bytes.chunks_exact(8).filter_map(|c| c.try_into().ok()).map(u64::from_le_bytes).collect())
+        Some(
+            bytes
+                .chunks_exact(8)
+                .filter_map(|c| c.try_into().ok())
+                .map(u64::from_le_bytes)
+                .collect(),
+        )
     }
 }
 
@@ -239,12 +317,32 @@ mod tests {
             },
             Event::PrefillDone { id: 9 },
             Event::Free { id: 9 },
-            Event::Report { worker: 1, kv_usage: 0.25, waiting: 3, running: Some(4), at_ms: 77 },
-            Event::Report { worker: 1, kv_usage: 0.5, waiting: 0, running: None, at_ms: 78 },
-            Event::Failed { worker: 2, at_ms: 5 },
+            Event::Report {
+                worker: 1,
+                kv_usage: 0.25,
+                waiting: 3,
+                running: Some(4),
+                at_ms: 77,
+            },
+            Event::Report {
+                worker: 1,
+                kv_usage: 0.5,
+                waiting: 0,
+                running: None,
+                at_ms: 78,
+            },
+            Event::Failed {
+                worker: 2,
+                at_ms: 5,
+            },
             Event::Recovered { worker: 2 },
-            Event::Forget { worker: 4, hashes: vec![5, 6] },
-            Event::Calibrate { chars_per_token: 4.25 },
+            Event::Forget {
+                worker: 4,
+                hashes: vec![5, 6],
+            },
+            Event::Calibrate {
+                chars_per_token: 4.25,
+            },
         ]
     }
 

@@ -43,6 +43,8 @@ pub struct Decision {
     pub alternates: Vec<WorkerId>,
     /// Prompt tokens the serving (prefill-side) worker is predicted to hold.
     pub overlap_tokens: u32,
+    /// Prompt tokens the decode worker is predicted to hold (differs when disaggregated).
+    pub decode_overlap_tokens: u32,
     pub prompt_tokens: u32,
     pub exact_tokens: bool,
     pub fallback: Option<Fallback>,
@@ -186,7 +188,10 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let hp = HashParams { block_size: self.cfg.block_size, chars_per_token: self.cfg.chars_per_token };
+        let hp = HashParams {
+            block_size: self.cfg.block_size,
+            chars_per_token: self.cfg.chars_per_token,
+        };
         let ph = prompt_hashes(&req, &hp);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
@@ -195,12 +200,24 @@ impl Router {
             (ph.est_tokens, f64::from(bs), 0.0)
         } else {
             let bytes = f64::from(ph.est_tokens) * self.cfg.chars_per_token;
-            let tokens = (bytes / self.chars_per_token).ceil().min(f64::from(u32::MAX)) as u32;
-            (tokens, f64::from(bs) * self.cfg.chars_per_token / self.chars_per_token, bytes)
+            let tokens = (bytes / self.chars_per_token)
+                .ceil()
+                .min(f64::from(u32::MAX)) as u32;
+            (
+                tokens,
+                f64::from(bs) * self.cfg.chars_per_token / self.chars_per_token,
+                bytes,
+            )
         };
-        let output = req.max_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(MAX_OUTPUT_ESTIMATE);
+        let output = req
+            .max_tokens
+            .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+            .min(MAX_OUTPUT_ESTIMATE);
         let prompt_blocks = prompt_tokens.div_ceil(bs);
-        let shape = RequestShape { prompt_tokens, total_blocks: prompt_blocks + output.div_ceil(bs) };
+        let shape = RequestShape {
+            prompt_tokens,
+            total_blocks: prompt_blocks + output.div_ceil(bs),
+        };
 
         let mut held = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut held);
@@ -213,7 +230,9 @@ impl Router {
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
             Outcome::Rejected => return RouteResult::Rejected,
-            Outcome::NoCandidates => return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms),
+            Outcome::NoCandidates => {
+                return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms)
+            }
         };
         let alternates = self.alternates(&decode_cands, &shape, pick.id);
 
@@ -224,7 +243,8 @@ impl Router {
             let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
             if uncached > threshold {
                 let cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
-                if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng) {
+                if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
+                {
                     prefill = Some(pp.id);
                     serve_overlap = pp.overlap_tokens;
                 }
@@ -260,6 +280,7 @@ impl Router {
             prefill,
             alternates,
             overlap_tokens: serve_overlap,
+            decode_overlap_tokens: pick.overlap_tokens,
             prompt_tokens,
             exact_tokens: ph.exact,
             fallback: None,
@@ -299,6 +320,7 @@ impl Router {
             prefill: None,
             alternates,
             overlap_tokens: 0,
+            decode_overlap_tokens: 0,
             prompt_tokens: 0,
             exact_tokens: false,
             fallback: Some(why),
@@ -309,18 +331,33 @@ impl Router {
         })
     }
 
-    fn candidates(&self, pool: &[WorkerId], overlap: &dyn Fn(WorkerId) -> u32, now_ms: u64) -> Vec<Candidate> {
+    fn candidates(
+        &self,
+        pool: &[WorkerId],
+        overlap: &dyn Fn(WorkerId) -> u32,
+        now_ms: u64,
+    ) -> Vec<Candidate> {
         pool.iter()
             .map(|&w| Candidate {
                 id: w,
                 overlap_tokens: overlap(w),
-                kv_blocks: self.cfg.workers.get(usize::from(w)).map(|c| self.cfg.kv_blocks(c)).unwrap_or(1),
+                kv_blocks: self
+                    .cfg
+                    .workers
+                    .get(usize::from(w))
+                    .map(|c| self.cfg.kv_blocks(c))
+                    .unwrap_or(1),
                 load: self.worker_view(w, now_ms),
             })
             .collect()
     }
 
-    fn alternates(&self, cands: &[Candidate], shape: &RequestShape, chosen: WorkerId) -> Vec<WorkerId> {
+    fn alternates(
+        &self,
+        cands: &[Candidate],
+        shape: &RequestShape,
+        chosen: WorkerId,
+    ) -> Vec<WorkerId> {
         let n = self.cfg.steering.fallbacks as usize;
         if n == 0 {
             return Vec::new();
@@ -337,7 +374,16 @@ impl Router {
     /// Applies an event, local or replicated from another thread.
     pub fn apply(&mut self, e: &Event, now_ms: u64) {
         match e {
-            Event::Routed { id, now_ms: at, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } => {
+            Event::Routed {
+                id,
+                now_ms: at,
+                worker,
+                prefill_worker,
+                cached_blocks,
+                tail_blocks,
+                prefill_tokens,
+                hashes,
+            } => {
                 self.load.add(&NewRequest {
                     id: *id,
                     worker: *worker,
@@ -361,11 +407,26 @@ impl Router {
             Event::Free { id } => {
                 self.load.free(*id);
             }
-            Event::Report { worker, kv_usage, waiting, running, at_ms } => {
-                self.load.report(*worker, Report { kv_usage: *kv_usage, waiting: *waiting, running: *running, at_ms: *at_ms });
+            Event::Report {
+                worker,
+                kv_usage,
+                waiting,
+                running,
+                at_ms,
+            } => {
+                self.load.report(
+                    *worker,
+                    Report {
+                        kv_usage: *kv_usage,
+                        waiting: *waiting,
+                        running: *running,
+                        at_ms: *at_ms,
+                    },
+                );
             }
             Event::Failed { worker, at_ms } => {
-                self.load.mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
+                self.load
+                    .mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
             }
             Event::Recovered { worker } => self.load.mark_ok(*worker),
             Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
@@ -395,11 +456,17 @@ impl Router {
     /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
     /// blocks this request was predicted to add there (they were never computed).
     pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
-        let mut out = vec![Event::Failed { worker, at_ms: now_ms }];
+        let mut out = vec![Event::Failed {
+            worker,
+            at_ms: now_ms,
+        }];
         let held = (f64::from(d.overlap_tokens) / self.tokens_per_block(d)).floor() as usize;
         if let Some(new) = d.hashes.get(held..).filter(|h| !h.is_empty()) {
             for w in [Some(d.decode), d.prefill].into_iter().flatten() {
-                out.push(Event::Forget { worker: w, hashes: new.to_vec() });
+                out.push(Event::Forget {
+                    worker: w,
+                    hashes: new.to_vec(),
+                });
             }
         }
         for e in &out {
@@ -434,7 +501,12 @@ impl Router {
 
     /// Usage reported by the engine: calibrate chars per token (text prompts) and measure
     /// how good the prediction was.
-    pub fn on_usage(&mut self, d: &Decision, u: &Usage, now_ms: u64) -> (UsageOutcome, Option<Event>) {
+    pub fn on_usage(
+        &mut self,
+        d: &Decision,
+        u: &Usage,
+        now_ms: u64,
+    ) -> (UsageOutcome, Option<Event>) {
         let mut out = UsageOutcome::default();
         if u.prompt_tokens == 0 || d.fallback.is_some() {
             return (out, None);
@@ -453,7 +525,9 @@ impl Router {
                 // Slow EMA: one odd request must not swing the estimate.
                 let next = 0.9 * self.chars_per_token + 0.1 * observed;
                 if (next - self.chars_per_token).abs() > 0.01 {
-                    let e = Event::Calibrate { chars_per_token: next };
+                    let e = Event::Calibrate {
+                        chars_per_token: next,
+                    };
                     self.apply(&e, now_ms);
                     ev = Some(e);
                 }
@@ -479,19 +553,34 @@ impl Router {
     }
 
     pub fn worker_name(&self, w: WorkerId) -> &str {
-        self.cfg.workers.get(usize::from(w)).map(|c| c.name.as_str()).unwrap_or("")
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .map(|c| c.name.as_str())
+            .unwrap_or("")
     }
 
     pub fn worker_cluster(&self, w: WorkerId) -> &str {
-        self.cfg.workers.get(usize::from(w)).map(|c| c.cluster_name()).unwrap_or("")
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .map(|c| c.cluster_name())
+            .unwrap_or("")
     }
 
     pub fn worker_endpoint(&self, w: WorkerId) -> Option<&str> {
-        self.cfg.workers.get(usize::from(w)).and_then(|c| c.endpoint.as_deref())
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .and_then(|c| c.endpoint.as_deref())
     }
 
     pub fn worker_by_name(&self, name: &str) -> Option<WorkerId> {
-        self.cfg.workers.iter().position(|w| w.name == name).and_then(|i| WorkerId::try_from(i).ok())
+        self.cfg
+            .workers
+            .iter()
+            .position(|w| w.name == name)
+            .and_then(|i| WorkerId::try_from(i).ok())
     }
 
     pub fn worker_count(&self) -> usize {
@@ -524,7 +613,8 @@ mod tests {
     }
 
     fn completion(prompt: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16})).unwrap()
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16}))
+            .unwrap()
     }
 
     fn routed(r: RouteResult) -> Decision {
@@ -536,7 +626,9 @@ mod tests {
 
     fn doc(seed: u64, bytes: usize) -> String {
         let mut r = Rng::new(seed);
-        (0..bytes / 6).map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)]).collect()
+        (0..bytes / 6)
+            .map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)])
+            .collect()
     }
 
     #[test]
@@ -546,7 +638,11 @@ mod tests {
         let first = routed(r.route(ApiKind::Completions, &completion(&base), 0));
         r.on_finish(&first, 10);
         for i in 0..5 {
-            let d = routed(r.route(ApiKind::Completions, &completion(&format!("{base} question {i}")), 100 + i));
+            let d = routed(r.route(
+                ApiKind::Completions,
+                &completion(&format!("{base} question {i}")),
+                100 + i,
+            ));
             assert_eq!(d.decode, first.decode);
             assert!(d.predicted_hit() > 0.9, "{}", d.predicted_hit());
             r.on_finish(&d, 200 + i);
@@ -571,7 +667,11 @@ mod tests {
 
     #[test]
     fn llm_d_mode_steers_to_decode_and_names_prefill() {
-        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":1000,"mode":"llm-d"}"#), 1, 3);
+        let mut r = Router::new(
+            cfg(r#","disaggregation":{"threshold_tokens":1000,"mode":"llm-d"}"#),
+            1,
+            3,
+        );
         let d = routed(r.route(ApiKind::Completions, &completion(&doc(3, 40_000)), 0));
         assert!(d.prefill.is_some());
         assert_eq!(d.target, d.decode);
@@ -624,7 +724,11 @@ mod tests {
     fn usage_calibrates_chars_per_token() {
         let mut r = Router::new(cfg(""), 1, 3);
         let d = routed(r.route(ApiKind::Completions, &completion(&doc(6, 4000)), 0));
-        let u = Usage { prompt_tokens: d.prompt_tokens / 2, completion_tokens: 1, cached_tokens: Some(0) };
+        let u = Usage {
+            prompt_tokens: d.prompt_tokens / 2,
+            completion_tokens: 1,
+            cached_tokens: Some(0),
+        };
         let before = r.chars_per_token();
         let (_, ev) = r.on_usage(&d, &u, 1);
         assert!(ev.is_some());

@@ -23,11 +23,16 @@ impl SharedBus for HostBus {
     }
 
     fn resolve_queue(&self, name: &str) -> Option<u32> {
-        hostcalls::resolve_shared_queue(&self.vm_id, name).ok().flatten()
+        hostcalls::resolve_shared_queue(&self.vm_id, name)
+            .ok()
+            .flatten()
     }
 
     fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
-        !matches!(hostcalls::enqueue_shared_queue(queue, Some(msg)), Err(Status::NotFound) | Err(_))
+        !matches!(
+            hostcalls::enqueue_shared_queue(queue, Some(msg)),
+            Err(Status::NotFound) | Err(_)
+        )
     }
 
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {

@@ -52,12 +52,16 @@ impl Http {
 
     fn route(&mut self, body: &[u8]) -> Action {
         self.routed = true;
-        let Some(kind) = self.kind else { return Action::Continue };
+        let Some(kind) = self.kind else {
+            return Action::Continue;
+        };
         let t0 = now_ns();
         let now = now_ms();
         let outcome = self.with(|s| {
             let res = s.router.route(kind, body, now);
-            s.metrics.route_time_us.record(now_ns().saturating_sub(t0) / 1000);
+            s.metrics
+                .route_time_us
+                .record(now_ns().saturating_sub(t0) / 1000);
             match res {
                 RouteResult::Rejected => {
                     s.metrics.rejected.inc();
@@ -95,7 +99,9 @@ impl Http {
             return;
         }
         self.finished = true;
-        let Some(d) = self.decision.take() else { return };
+        let Some(d) = self.decision.take() else {
+            return;
+        };
         let saw_response = self.saw_response;
         self.with(|s| {
             let now = now_ms();
@@ -162,7 +168,8 @@ fn record_decision(s: &State, d: &Decision) {
         }
         None => {
             m.routed.inc();
-            m.predicted_hit_pct.record((d.predicted_hit() * 100.0).round() as u64);
+            m.predicted_hit_pct
+                .record((d.predicted_hit() * 100.0).round() as u64);
             if s.router.config().disaggregation.threshold_tokens > 0 {
                 if d.prefill.is_some() {
                     m.disagg_prefill.inc()
@@ -186,7 +193,9 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(st) = &self.st else { return Action::Continue };
+        let Some(st) = &self.st else {
+            return Action::Continue;
+        };
         let (routes, strip) = match st.try_borrow() {
             Ok(s) => {
                 let cfg = s.router.config();
@@ -203,13 +212,22 @@ impl HttpContext for Http {
         for h in &strip {
             let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
         }
-        let method = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":method").ok().flatten();
-        let path = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path").ok().flatten().unwrap_or_default();
+        let method = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":method")
+            .ok()
+            .flatten();
+        let path = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let path = path.split('?').next().unwrap_or("");
         if method.as_deref() != Some("POST") || !routes.iter().any(|r| r == path) {
             return Action::Continue;
         }
-        self.kind = Some(if path.ends_with("/chat/completions") { ApiKind::ChatCompletions } else { ApiKind::Completions });
+        self.kind = Some(if path.ends_with("/chat/completions") {
+            ApiKind::ChatCompletions
+        } else {
+            ApiKind::Completions
+        });
         if end_of_stream {
             return self.route(&[]);
         }
@@ -225,7 +243,10 @@ impl HttpContext for Http {
             // Envoy buffers until the end of the body.
             return Action::Pause;
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         self.route(&body)
     }
 
@@ -233,19 +254,26 @@ impl HttpContext for Http {
         if self.kind.is_none() || self.routed {
             return Action::Continue;
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).ok().flatten().unwrap_or_default();
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         self.route(&body)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.saw_response = true;
-        let Some(d) = self.decision.clone() else { return Action::Continue };
+        let Some(d) = self.decision.clone() else {
+            return Action::Continue;
+        };
         let status: u32 = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
             .ok()
             .flatten()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        let orca = hostcalls::get_map_value(MapType::HttpResponseHeaders, ORCA_RESPONSE).ok().flatten();
+        let orca = hostcalls::get_map_value(MapType::HttpResponseHeaders, ORCA_RESPONSE)
+            .ok()
+            .flatten();
         let upstream = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
@@ -273,7 +301,10 @@ impl HttpContext for Http {
                 evs.push(s.router.on_orca(d.target, &load, now));
             }
             s.broadcast(&evs);
-            s.router.config().debug_headers.then(|| debug_headers(s, &d))
+            s.router
+                .config()
+                .debug_headers
+                .then(|| debug_headers(s, &d))
         });
         if let Some(Some(headers)) = debug {
             for (k, v) in headers {
@@ -284,7 +315,9 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(d) = self.decision.clone() else { return Action::Continue };
+        let Some(d) = self.decision.clone() else {
+            return Action::Continue;
+        };
         if body_size > 0 {
             if !self.first_byte {
                 self.first_byte = true;
@@ -294,7 +327,9 @@ impl HttpContext for Http {
                 });
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.
-            if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            if let Ok(Some(chunk)) =
+                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            {
                 self.tail.push(&chunk);
             }
         }
@@ -304,7 +339,9 @@ impl HttpContext for Http {
                     s.metrics.usage_reports.inc();
                     let (out, ev) = s.router.on_usage(&d, &u, now_ms());
                     if let Some(hit) = out.actual_hit {
-                        s.metrics.actual_hit_pct.record((hit * 100.0).round() as u64);
+                        s.metrics
+                            .actual_hit_pct
+                            .record((hit * 100.0).round() as u64);
                     }
                     if out.overpredicted {
                         s.metrics.overpredicted.inc();
@@ -321,22 +358,31 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.finish();
     }
-
 }
 
 fn debug_headers(s: &State, d: &Decision) -> Vec<(&'static str, String)> {
     let r = &s.router;
     let mut h = vec![
         ("x-kvroute-worker", r.worker_name(d.decode).to_string()),
-        ("x-kvroute-predicted-cached-tokens", d.overlap_tokens.to_string()),
+        (
+            "x-kvroute-predicted-cached-tokens",
+            d.overlap_tokens.to_string(),
+        ),
         ("x-kvroute-prompt-tokens", d.prompt_tokens.to_string()),
     ];
     if let Some(p) = d.prefill {
         h.push(("x-kvroute-prefill-worker", r.worker_name(p).to_string()));
+        h.push((
+            "x-kvroute-decode-cached-tokens",
+            d.decode_overlap_tokens.to_string(),
+        ));
     }
     if let Some(f) = &d.fallback {
         h.push(("x-kvroute-fallback", f.kind().to_string()));
-        log(LogLevel::Debug, &format!("kvroute: fallback routing: {f:?}"));
+        log(
+            LogLevel::Debug,
+            &format!("kvroute: fallback routing: {f:?}"),
+        );
     }
     h
 }

@@ -34,9 +34,9 @@ impl State {
         if evs.is_empty() {
             return;
         }
-        if let Some(r) = &self.repl {
+        if let Some(r) = &mut self.repl {
             let msg = events::encode(evs);
-            let n = r.broadcast(&self.bus, &msg);
+            let n = r.broadcast(&self.bus, now_ms(), &msg);
             self.metrics.repl_sent.add(n as u64);
         }
     }
@@ -54,7 +54,10 @@ impl State {
                 }
                 Err(e) => {
                     self.metrics.repl_errors.inc();
-                    log(LogLevel::Warn, &format!("kvroute: dropped replication message: {e}"));
+                    log(
+                        LogLevel::Warn,
+                        &format!("kvroute: dropped replication message: {e}"),
+                    );
                 }
             }
         }
@@ -75,9 +78,15 @@ impl State {
     fn publish_gauges(&self, now: u64) {
         let r = &self.router;
         self.metrics.index_blocks.record(r.index().blocks() as u64);
-        self.metrics.index_bytes.record(r.index().memory_bytes() as u64);
-        self.metrics.active_requests.record(r.load().active_requests() as u64);
-        self.metrics.chars_per_token_milli.record((r.chars_per_token() * 1000.0) as u64);
+        self.metrics
+            .index_bytes
+            .record(r.index().memory_bytes() as u64);
+        self.metrics
+            .active_requests
+            .record(r.load().active_requests() as u64);
+        self.metrics
+            .chars_per_token_milli
+            .record((r.chars_per_token() * 1000.0) as u64);
         for (i, wm) in self.metrics.workers.iter().enumerate() {
             let Ok(w) = u16::try_from(i) else { break };
             let v = r.worker_view(w, now);
@@ -87,7 +96,8 @@ impl State {
             wm.healthy.record(u64::from(v.healthy));
             wm.index_blocks.record(r.index().entries(w) as u64);
             if let Some(rep) = v.report {
-                wm.kv_usage_pct.record((f64::from(rep.kv_usage) * 100.0) as u64);
+                wm.kv_usage_pct
+                    .record((f64::from(rep.kv_usage) * 100.0) as u64);
                 wm.waiting.record(u64::from(rep.waiting));
             }
         }
@@ -102,7 +112,10 @@ pub struct Root {
 impl Context for Root {}
 
 fn property(path: &[&str]) -> Option<String> {
-    hostcalls::get_property(path.to_vec()).ok().flatten().and_then(|b| String::from_utf8(b).ok())
+    hostcalls::get_property(path.to_vec())
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
 }
 
 impl RootContext for Root {
@@ -120,15 +133,27 @@ impl RootContext for Root {
             }
         };
         let vm_id = property(&["plugin_vm_id"]).unwrap_or_default();
-        let ns = property(&["plugin_name"]).filter(|s| !s.is_empty()).unwrap_or_else(|| "kvroute".into());
+        let ns = property(&["plugin_name"])
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "kvroute".into());
         let bus = HostBus { vm_id };
         let now = now_ms();
         let repl = Replicator::join(&bus, &ns, now, Timing::default());
         if repl.is_none() {
-            log(LogLevel::Warn, "kvroute: could not join replication; this thread routes on its own state");
+            log(
+                LogLevel::Warn,
+                "kvroute: could not join replication; this thread routes on its own state",
+            );
         }
-        let origin = repl.as_ref().map(|r| u64::from(r.id())).unwrap_or(now & 0xFFFF);
-        let seed = if cfg.seed != 0 { cfg.seed ^ origin } else { now_ns() ^ (origin << 32) };
+        let origin = repl
+            .as_ref()
+            .map(|r| u64::from(r.id()))
+            .unwrap_or(now & 0xFFFF);
+        let seed = if cfg.seed != 0 {
+            cfg.seed ^ origin
+        } else {
+            now_ns() ^ (origin << 32)
+        };
         let names: Vec<&str> = cfg.workers.iter().map(|w| w.name.as_str()).collect();
         let metrics = Metrics::define(&names);
         let (decode, prefill) = cfg.workers.iter().fold((0, 0), |(d, p), w| {
@@ -149,7 +174,12 @@ impl RootContext for Root {
             ),
         );
         let router = Router::new(cfg, origin, seed);
-        self.state = Some(Rc::new(RefCell::new(State { router, metrics, bus, repl })));
+        self.state = Some(Rc::new(RefCell::new(State {
+            router,
+            metrics,
+            bus,
+            repl,
+        })));
         let _ = hostcalls::set_tick_period(TICK);
         true
     }
@@ -165,6 +195,7 @@ impl RootContext for Root {
     fn on_queue_ready(&mut self, _queue_id: u32) {
         if let Some(st) = &self.state {
             if let Ok(mut s) = st.try_borrow_mut() {
+                s.metrics.repl_wakeups.inc();
                 s.drain();
             }
         }
