@@ -138,6 +138,9 @@ impl Router {
                 Role::Both | Role::Decode => decode_pool.push(id),
             }
         }
+        // Size the hash table up front: growing it rehashes every entry inside one request.
+        let total: u64 = cfg.workers.iter().map(|w| u64::from(cfg.kv_blocks(w))).sum();
+        index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
         Router {
