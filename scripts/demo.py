@@ -1,7 +1,8 @@
 """`make demo`, `make run`, `make stop`.
 
-demo: the same shared-prefix chat workload through kvroute and through Envoy's round-robin,
-each on a fresh fleet of four mock workers, then a comparison table.
+demo: the same shared-prefix chat workload (pairs of users asking about one long document,
+each conversation appending turns) through kvroute and through Envoy's round-robin, each on
+a fresh fleet of four mock workers, then a comparison table.
 run/stop: the demo stack of envoy/demo.yaml on its fixed ports, in the background.
 """
 
@@ -22,14 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvstack  # noqa: E402
 from kvstack import ROOT, Stack, Worker, stream, text, wait_port  # noqa: E402
 
-SPEEDUP = float(os.environ.get("DEMO_SPEEDUP", 4))  # simulated time runs this much faster
+SPEEDUP = float(os.environ.get("DEMO_SPEEDUP", 2))  # simulated time runs this much faster
 KV_BLOCKS = int(os.environ.get("DEMO_KV_BLOCKS", 2048))  # 32k tokens per worker: the workload does not fit in one
-APPS = int(os.environ.get("DEMO_APPS", 4))
+APPS = int(os.environ.get("DEMO_APPS", 12))  # users per app share its long document
 USERS = int(os.environ.get("DEMO_USERS", 24))
 TURNS = int(os.environ.get("DEMO_TURNS", 4))
 CONCURRENCY = int(os.environ.get("DEMO_CONCURRENCY", 12))
-SYSTEM_CHARS = int(os.environ.get("DEMO_SYSTEM_CHARS", 12000))
-TURN_CHARS = int(os.environ.get("DEMO_TURN_CHARS", 3000))
+SYSTEM_CHARS = int(os.environ.get("DEMO_SYSTEM_CHARS", 24000))
+TURN_CHARS = int(os.environ.get("DEMO_TURN_CHARS", 2000))
 
 
 def workload() -> list[list[dict]]:

@@ -149,6 +149,12 @@ impl Replicator {
             .count()
     }
 
+    /// Puts an empty message in our own queue: Envoy then calls `on_queue_ready` on this
+    /// VM after the current callback, which is how deferred work leaves the request path.
+    pub fn wake_self(&self, bus: &dyn SharedBus) -> bool {
+        bus.enqueue(self.queue, &[])
+    }
+
     /// Everything waiting in our queue.
     pub fn drain(&self, bus: &dyn SharedBus, max: usize) -> Vec<Vec<u8>> {
         let mut out = Vec::new();

@@ -96,6 +96,8 @@ pub struct Router {
     chars_per_token: f64,
     origin: u64,
     seq: u64,
+    /// Local decisions whose index insert has not run yet: (worker, prefill worker, hashes, at).
+    pending: Vec<(WorkerId, Option<WorkerId>, Vec<u64>, u64)>,
 }
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
@@ -154,6 +156,7 @@ impl Router {
             chars_per_token,
             origin: (origin & 0xFFFF) << 48,
             seq: 0,
+            pending: Vec::new(),
         }
     }
 
@@ -184,6 +187,7 @@ impl Router {
 
     /// Parses the body, scores every worker and records the decision (load and index).
     pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
+        self.flush();
         let req = match parse(kind, body) {
             Ok(r) => r,
             Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
@@ -267,11 +271,12 @@ impl Router {
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
             hashes: ph.blocks,
         };
-        self.apply(&event, now_ms);
+        self.charge(&event);
         let hashes = match &event {
             Event::Routed { hashes, .. } => hashes.clone(),
             _ => Vec::new(),
         };
+        self.pending.push((pick.id, prefill, hashes.clone(), now_ms));
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
@@ -374,35 +379,53 @@ impl Router {
         rest.into_iter().take(n).map(|(_, w)| w).collect()
     }
 
+    /// The load part of a Routed event (the prefix part is deferred for local decisions).
+    fn charge(&mut self, e: &Event) {
+        if let Event::Routed { id, now_ms, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } = e {
+            self.load.add(&NewRequest {
+                id: *id,
+                worker: *worker,
+                prefill_worker: *prefill_worker,
+                blocks: hashes,
+                cached_blocks: *cached_blocks,
+                tail_blocks: *tail_blocks,
+                prefill_tokens: *prefill_tokens,
+                now_ms: *now_ms,
+            });
+        }
+    }
+
+    fn record_prefix(&mut self, worker: WorkerId, prefill: Option<WorkerId>, hashes: &[u64], at: u64) {
+        if hashes.is_empty() {
+            return;
+        }
+        self.index.insert(worker, hashes, at);
+        if let Some(p) = prefill {
+            self.index.insert(p, hashes, at);
+        }
+    }
+
+    /// Index inserts of local decisions wait here so they run after the request is on its
+    /// way (the filter calls `flush` from a callback of its own); anything routed before
+    /// that flushes first, so no decision ever misses an earlier one.
+    pub fn flush(&mut self) -> usize {
+        let jobs = core::mem::take(&mut self.pending);
+        for (w, p, hashes, at) in &jobs {
+            self.record_prefix(*w, *p, hashes, *at);
+        }
+        jobs.len()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Applies an event, local or replicated from another thread.
     pub fn apply(&mut self, e: &Event, now_ms: u64) {
         match e {
-            Event::Routed {
-                id,
-                now_ms: at,
-                worker,
-                prefill_worker,
-                cached_blocks,
-                tail_blocks,
-                prefill_tokens,
-                hashes,
-            } => {
-                self.load.add(&NewRequest {
-                    id: *id,
-                    worker: *worker,
-                    prefill_worker: *prefill_worker,
-                    blocks: hashes,
-                    cached_blocks: *cached_blocks,
-                    tail_blocks: *tail_blocks,
-                    prefill_tokens: *prefill_tokens,
-                    now_ms: *at,
-                });
-                if !hashes.is_empty() {
-                    self.index.insert(*worker, hashes, *at);
-                    if let Some(p) = prefill_worker {
-                        self.index.insert(*p, hashes, *at);
-                    }
-                }
+            Event::Routed { now_ms: at, worker, prefill_worker, hashes, .. } => {
+                self.charge(e);
+                self.record_prefix(*worker, *prefill_worker, hashes, *at);
             }
             Event::PrefillDone { id } => {
                 self.load.prefill_done(*id);
@@ -459,6 +482,7 @@ impl Router {
     /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
     /// blocks this request was predicted to add there (they were never computed).
     pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
+        self.flush();
         let mut out = vec![Event::Failed {
             worker,
             at_ms: now_ms,
@@ -550,6 +574,7 @@ impl Router {
 
     /// Periodic housekeeping: lost requests and stale index entries.
     pub fn tick(&mut self, now_ms: u64) -> (usize, usize) {
+        self.flush();
         let lost = self.load.expire(now_ms);
         let stale = self.index.expire(now_ms, 4096);
         (lost, stale)

@@ -71,6 +71,7 @@ impl Http {
                     steer(s, &d);
                     record_decision(s, &d);
                     s.broadcast(std::slice::from_ref(&d.event));
+                    s.defer_flush();
                     Some(d)
                 }
             }

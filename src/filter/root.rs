@@ -41,10 +41,23 @@ impl State {
         }
     }
 
+    /// Runs the index inserts of this VM's own decisions outside the request path: after
+    /// the callback that routed returns, Envoy delivers the self-addressed wake-up.
+    pub fn defer_flush(&mut self) {
+        let woke = self.repl.as_ref().is_some_and(|r| r.wake_self(&self.bus));
+        if !woke {
+            self.router.flush();
+        }
+    }
+
     fn drain(&mut self) {
+        self.router.flush();
         let Some(r) = &self.repl else { return };
         let now = now_ms();
         for msg in r.drain(&self.bus, DRAIN_MAX) {
+            if msg.is_empty() {
+                continue; // a wake-up, see defer_flush
+            }
             match events::decode(&msg) {
                 Ok(evs) => {
                     self.metrics.repl_received.add(evs.len() as u64);
