@@ -214,6 +214,10 @@ class Stack:
             w.start(self.speedup, self.dir)
         for w in self.workers:
             wait_port(w.port, proc=w.proc)
+        return self.start_envoy()
+
+    def start_envoy(self) -> "Stack":
+        """Only Envoy, in front of workers that are already running."""
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
         cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy)
         path = os.path.join(self.dir, "envoy.json")
@@ -241,7 +245,7 @@ class Stack:
             time.sleep(0.05)
         raise TimeoutError("envoy not ready")
 
-    def stop(self) -> None:
+    def stop(self, workers: bool = True) -> None:
         if self.envoy and self.envoy.poll() is None:
             self.envoy.send_signal(signal.SIGTERM)
             try:
@@ -249,7 +253,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 self.envoy.kill()
                 self.envoy.wait()
-        for w in self.workers:
+        for w in self.workers if workers else []:
             w.stop()
 
     def __enter__(self):

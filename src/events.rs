@@ -2,8 +2,9 @@
 //! form for proxy-wasm shared queues.
 //!
 //! Each VM applies its own events at once and enqueues them to its peers; a peer applies
-//! them in `on_queue_ready`. A message is a version byte followed by one or more events, so
-//! a sender may batch. Decoding never panics: a short or unknown message yields an error and
+//! them in `on_queue_ready`. A message is a version byte, the sender's clock in nanoseconds
+//! (so receivers can measure replication delay), then one or more events, so a sender may
+//! batch. Decoding never panics: a short or unknown message yields an error and
 //! the rest of that message is dropped.
 
 use crate::index::WorkerId;
@@ -78,9 +79,10 @@ impl core::fmt::Display for DecodeError {
     }
 }
 
-pub fn encode(events: &[Event]) -> Vec<u8> {
+pub fn encode(sent_ns: u64, events: &[Event]) -> Vec<u8> {
     let mut out = Vec::with_capacity(64);
     out.push(VERSION);
+    put_u64(&mut out, sent_ns);
     for e in events {
         encode_one(e, &mut out);
     }
@@ -152,17 +154,19 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
     }
 }
 
-pub fn decode(msg: &[u8]) -> Result<Vec<Event>, DecodeError> {
+/// The sender's clock and the events of one message.
+pub fn decode(msg: &[u8]) -> Result<(u64, Vec<Event>), DecodeError> {
     let (&v, rest) = msg.split_first().ok_or(DecodeError::Empty)?;
     if v != VERSION {
         return Err(DecodeError::Version(v));
     }
     let mut r = Reader(rest);
+    let sent_ns = r.u64().ok_or(DecodeError::Truncated)?;
     let mut out = Vec::new();
     while let Some(tag) = r.u8() {
         out.push(decode_one(tag, &mut r)?);
     }
-    Ok(out)
+    Ok((sent_ns, out))
 }
 
 fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
@@ -349,24 +353,25 @@ mod tests {
     #[test]
     fn roundtrip_every_event() {
         let evs = all();
-        assert_eq!(decode(&encode(&evs)), Ok(evs));
+        assert_eq!(decode(&encode(42, &evs)), Ok((42, evs)));
     }
 
     #[test]
     fn every_truncation_is_an_error_not_a_panic() {
-        let msg = encode(&all());
+        let msg = encode(7, &all());
         for n in 0..msg.len() {
             let r = decode(&msg[..n]);
             // A cut exactly between events decodes the events before it.
-            if let Ok(evs) = r {
+            if let Ok((_, evs)) = r {
                 assert!(evs.len() < all().len());
             }
         }
         assert_eq!(decode(&[]), Err(DecodeError::Empty));
         assert_eq!(decode(&[9, 1]), Err(DecodeError::Version(9)));
-        assert_eq!(decode(&[VERSION, 200]), Err(DecodeError::UnknownTag(200)));
+        assert_eq!(decode(&[VERSION, 1, 2]), Err(DecodeError::Truncated));
+        assert_eq!(decode(&[VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 200]), Err(DecodeError::UnknownTag(200)));
         // A hash count far beyond the message must not allocate or panic.
-        let mut bad = vec![VERSION, 7, 0, 0];
+        let mut bad = vec![VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0];
         bad.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&bad), Err(DecodeError::Truncated));
     }

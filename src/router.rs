@@ -736,8 +736,8 @@ mod tests {
         let text = doc(5, 8000);
         let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
         let done = a.on_first_byte(&d, 1);
-        let msg = crate::events::encode(&[d.event.clone(), done]);
-        for e in crate::events::decode(&msg).unwrap() {
+        let msg = crate::events::encode(0, &[d.event.clone(), done]);
+        for e in crate::events::decode(&msg).unwrap().1 {
             b.apply(&e, 1);
         }
         assert_eq!(b.worker_view(d.decode, 2).inflight, 1);

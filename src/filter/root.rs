@@ -35,7 +35,7 @@ impl State {
             return;
         }
         if let Some(r) = &mut self.repl {
-            let msg = events::encode(evs);
+            let msg = events::encode(now_ns(), evs);
             let n = r.broadcast(&self.bus, now_ms(), &msg);
             self.metrics.repl_sent.add(n as u64);
         }
@@ -59,8 +59,9 @@ impl State {
                 continue; // a wake-up, see defer_flush
             }
             match events::decode(&msg) {
-                Ok(evs) => {
+                Ok((sent_ns, evs)) => {
                     self.metrics.repl_received.add(evs.len() as u64);
+                    self.metrics.repl_delay_us.record(now_ns().saturating_sub(sent_ns) / 1000);
                     for e in &evs {
                         self.router.apply(e, now);
                     }
