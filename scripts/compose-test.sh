@@ -153,9 +153,15 @@ all_healthy() {
         [ "$n" -eq "${want[$c]}" ] || return 1
     done
 }
+envoy_running() {
+    local id
+    id=$(compose ps -q envoy 2>/dev/null)
+    [ -n "$id" ] && [ "$(docker inspect -f '{{.State.Running}}' "$id" 2>/dev/null)" = true ]
+}
 deadline=$(( $(date +%s) + 60 ))
 until all_healthy; do
-    if [ "$(date +%s)" -ge "$deadline" ]; then break; fi
+    # Envoy exits at once on a bad config or a wasm that does not load: no point waiting.
+    if [ "$(date +%s)" -ge "$deadline" ] || ! envoy_running; then break; fi
     sleep 0.5
 done
 if all_healthy; then
