@@ -65,7 +65,10 @@ build() {
 
 # True when the file is a static executable: no interpreter, nothing for the loader to do.
 is_static() {
-    file -L "$1" | grep -Eq 'statically linked|static-pie linked' || return 1
+    if command -v file >/dev/null 2>&1; then
+        file -L "$1" | grep -Eq 'statically linked|static-pie linked' || return 1
+    fi
+    # ldd fails on a static binary, or says so; a dynamic one lists libraries.
     ! ldd "$1" >/dev/null 2>&1 || ldd "$1" 2>&1 | grep -Eq 'not a dynamic executable|statically linked'
 }
 
@@ -76,7 +79,7 @@ mock_worker() {
     RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR="$root/target/static" \
         cargo build -q --release -p mock-worker --bin mock-worker --target "$TARGET"
     local bin=target/static/$TARGET/release/mock-worker
-    is_static "$bin" || die "$bin is not statically linked: $(file -L "$bin")"
+    is_static "$bin" || die "$bin is not statically linked: $(ldd "$bin" 2>&1 | head -n 3)"
     local ctx=$work/mock-worker
     rm -rf "$ctx" && mkdir -p "$ctx"
     cp "$bin" "$ctx/mock-worker"
@@ -96,7 +99,7 @@ envoy_binary() {
         bin=$(ls .venv/lib/python3*/site-packages/envoy/_bin/envoy | head -n 1)
     fi
     # .venv/bin/envoy is a Python launcher; the image needs the ELF binary behind it.
-    file -L "$bin" | grep -q ELF || die "$bin is not an ELF binary"
+    [ "$(head -c 4 "$bin" | od -An -c | tr -d ' ')" = '177ELF' ] || die "$bin is not an ELF binary"
     printf '%s\n' "$bin"
 }
 
