@@ -34,3 +34,4 @@ dist: wasm
 	echo "dist: $(KVROUTE_WASM_FILE) ($$(stat -c %s $(KVROUTE_WASM_FILE)) bytes)"; \
 	echo "dist: sha256 $$sum ($(KVROUTE_WASM_FILE).sha256)"; \
 	echo "dist: manifests with this checksum in build/dist/deploy$(if $(KVROUTE_WASM_URL),, (set KVROUTE_WASM_URL=https://... to fill the download URL too))"
+TEST_EXTRA += validate-configs compose-test

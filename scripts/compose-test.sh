@@ -230,9 +230,9 @@ check "streaming chat: 200, $events SSE events, ends with [DONE]" \
 # ---- 5. metrics
 curl -s -m 5 "$admin/stats/prometheus" >"$tmp/prom" 2>/dev/null
 kv_lines=$(grep -c '^kvroute_' "$tmp/prom")
-decisions=$(awk '/^kvroute_decisions_total/ { s += $NF } END { print s + 0 }' "$tmp/prom")
+decisions=$(awk '/^kvroute_worker_decisions_total/ { s += $NF } END { print s + 0 }' "$tmp/prom")
 check "kvroute_ metrics in /stats/prometheus ($kv_lines series)" test "$kv_lines" -gt 0
-check "kvroute_decisions_total counts the routed requests (sum $decisions)" test "$decisions" -ge 8
+check "kvroute_worker_decisions_total counts the routed requests (sum $decisions)" test "$decisions" -ge 8
 
 # ---- 6. failover: kill a decode worker; every request must still get an answer
 victim=${affine:-decode-1}

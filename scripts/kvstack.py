@@ -160,7 +160,8 @@ def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict |
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
         "stream_idle_timeout": "600s",
-        "route_config": {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes}]},
+        "route_config": {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes,
+                                                            "include_attempt_count_in_response": True}]},
         "http_filters": filters,
     }
     return {

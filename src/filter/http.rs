@@ -275,6 +275,13 @@ impl HttpContext for Http {
         let orca = hostcalls::get_map_value(MapType::HttpResponseHeaders, ORCA_RESPONSE)
             .ok()
             .flatten();
+        // Set by Envoy with `include_attempt_count_in_response`: > 1 means the first try (on
+        // the chosen worker, priority 0 of its cluster) failed and a retry answered.
+        let attempts: u32 = hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
+            .ok()
+            .flatten()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1);
         let upstream = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()
@@ -285,16 +292,21 @@ impl HttpContext for Http {
             let failed = status >= 500 || status == 429;
             // With priority failover, Envoy may have retried on another worker: the chosen
             // one did not answer. Only comparable when the endpoint is an IP literal.
-            let moved = match (s.router.worker_endpoint(d.target), upstream.as_deref()) {
-                (Some(ep), Some(up)) => is_ip_endpoint(ep) && ep != up,
-                _ => false,
+            // Whether the answer verifiably came from the chosen worker: only an IP endpoint
+            // can be compared with the upstream address (DNS names resolve elsewhere).
+            let same_host = match (s.router.worker_endpoint(d.target), upstream.as_deref()) {
+                (Some(ep), Some(up)) if is_ip_endpoint(ep) => Some(ep == up),
+                _ => None,
             };
+            let moved = attempts > 1 || same_host == Some(false);
             if failed || moved {
                 if let Some(wm) = s.metrics.worker(d.target) {
                     wm.failures.inc();
                 }
                 evs.extend(s.router.on_failure(&d, d.target, now));
-            } else if (200..300).contains(&status) {
+            } else if (200..300).contains(&status) && same_host == Some(true) {
+                // Ending a cooldown early needs proof the worker itself answered; an outlier
+                // ejection in Envoy can serve the chosen cluster from its failover hosts.
                 evs.extend(s.router.on_success(d.target, now));
             }
             if let Some(load) = orca.as_deref().and_then(parse_orca) {
