@@ -26,6 +26,37 @@ pub struct State {
     pub metrics: Metrics,
     bus: HostBus,
     repl: Option<Replicator>,
+    /// This VM has routed a request; until then replicated events wait in `backlog`.
+    serving: bool,
+    backlog: Backlog,
+}
+
+/// Raw replication messages kept by a VM that does not route (yet), oldest dropped first.
+#[derive(Default)]
+struct Backlog {
+    msgs: std::collections::VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+/// Enough for the recent history a late-starting worker thread needs.
+const BACKLOG_BYTES: usize = 8 << 20;
+
+impl Backlog {
+    fn push(&mut self, msg: Vec<u8>) {
+        self.bytes += msg.len();
+        self.msgs.push_back(msg);
+        while self.bytes > BACKLOG_BYTES {
+            match self.msgs.pop_front() {
+                Some(old) => self.bytes -= old.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn take_all(&mut self) -> Vec<Vec<u8>> {
+        self.bytes = 0;
+        self.msgs.drain(..).collect()
+    }
 }
 
 impl State {
@@ -53,12 +84,36 @@ impl State {
     fn drain(&mut self) {
         self.router.flush();
         let Some(r) = &self.repl else { return };
-        let now = now_ms();
         for msg in r.drain(&self.bus, DRAIN_MAX) {
             if msg.is_empty() {
                 continue; // a wake-up, see defer_flush
             }
-            match events::decode(&msg) {
+            if self.serving {
+                self.apply_message(&msg);
+            } else {
+                self.backlog.push(msg);
+            }
+        }
+    }
+
+    /// Called before this VM routes for the first time. Envoy's main-thread VM (and any
+    /// worker thread that has not seen traffic yet) only keeps a bounded backlog of raw
+    /// messages instead of applying every event: on two cores, replaying each decision on
+    /// the main thread measurably slowed the worker threads. The backlog is applied here.
+    pub fn start_serving(&mut self) {
+        if self.serving {
+            return;
+        }
+        self.serving = true;
+        for msg in self.backlog.take_all() {
+            self.apply_message(&msg);
+        }
+    }
+
+    fn apply_message(&mut self, msg: &[u8]) {
+        let now = now_ms();
+        {
+            match events::decode(msg) {
                 Ok((sent_ns, evs)) => {
                     self.metrics.repl_received.add(evs.len() as u64);
                     self.metrics.repl_delay_us.record(now_ns().saturating_sub(sent_ns) / 1000);
@@ -193,6 +248,8 @@ impl RootContext for Root {
             metrics,
             bus,
             repl,
+            serving: false,
+            backlog: Backlog::default(),
         })));
         let _ = hostcalls::set_tick_period(TICK);
         true
