@@ -261,6 +261,13 @@ fn tag_of(m: u64) -> u8 {
     t | u8::from(t == 0)
 }
 
+enum Probe {
+    Found(u32),
+    Added,
+    /// Not found and no room (the table could not grow).
+    Full,
+}
+
 /// Open-addressing set of block slots keyed by the (mixed) hash of their block, one cache
 /// line per probe step: finding, adding or removing a key whose home line is not full reads
 /// one line. The line count is not a power of two (the home line is a multiply-high of the
@@ -353,6 +360,68 @@ impl SlotTable {
             i = self.next(i);
         }
         None
+    }
+
+    /// The value under m for which `eq` holds, or else stores v under m.
+    #[inline]
+    fn find_or_insert(
+        &mut self,
+        m: u64,
+        v: u32,
+        mut eq: impl FnMut(u32) -> bool,
+        rehash: impl Fn(u32) -> u64,
+    ) -> Probe {
+        let t = tag_of(m);
+        let n = self.lines.len();
+        let home = self.home(m);
+        let mut i = home;
+        let mut steps = 0usize;
+        // First empty slot on the probe path: (line, slot, lines before it).
+        let mut vacant = None;
+        while let Some(line) = self.lines.get(i) {
+            for j in line.hits(t) {
+                if let Some(&x) = line.vals.get(j) {
+                    if eq(x) {
+                        return Probe::Found(x);
+                    }
+                }
+            }
+            if vacant.is_none() {
+                vacant = line.hits(0).next().map(|j| (i, j, steps));
+            }
+            if line.spill() == 0 {
+                break;
+            }
+            steps += 1;
+            if steps >= n {
+                break;
+            }
+            i = self.next(i);
+        }
+        let grow = (self.len + 1) * 8 > n * LINE_SLOTS * 7;
+        let Some((at, j, steps)) = vacant.filter(|_| !grow) else {
+            // Growing, or no empty slot before the end of the key's probe: the slow way.
+            return if self.insert(m, v, rehash) {
+                Probe::Added
+            } else {
+                Probe::Full
+            };
+        };
+        if let Some(line) = self.lines.get_mut(at) {
+            line.set_tag(j, t);
+            if let Some(val) = line.vals.get_mut(j) {
+                *val = v;
+            }
+        }
+        let mut i = home;
+        for _ in 0..steps {
+            if let Some(line) = self.lines.get_mut(i) {
+                line.hi = line.hi.wrapping_add(SPILL_ONE);
+            }
+            i = self.next(i);
+        }
+        self.len += 1;
+        Probe::Added
     }
 
     /// Stores v under m; the caller knows that no equal key is present. `rehash` gives the
@@ -766,17 +835,19 @@ impl PrefixIndex {
     }
 
     fn insert_one(&mut self, wi: usize, cap: u32, h: u64, stamp: u32, cursor: &mut Cursor) {
-        let Some(b) = self.locate_or_create(h, cursor) else {
+        let Some((b, created)) = self.locate_or_create(h, cursor) else {
             return;
         };
-        if let Some(l) = self.holder_touch(b, wi, stamp) {
-            if let Some(wk) = self.workers.get_mut(wi) {
-                if wk.head != l {
-                    wk.unlink(l);
-                    wk.push_front(l);
+        if !created {
+            if let Some(l) = self.holder_touch(b, wi, stamp) {
+                if let Some(wk) = self.workers.get_mut(wi) {
+                    if wk.head != l {
+                        wk.unlink(l);
+                        wk.push_front(l);
+                    }
                 }
+                return;
             }
-            return;
         }
         // Cannot drop block b: w does not hold it.
         // More entries than the capacity only after a capacity change that did not evict:
@@ -1064,53 +1135,56 @@ impl PrefixIndex {
         None
     }
 
-    fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<u32> {
-        if let Some(b) = self.locate(h, cursor) {
-            return Some(b);
+    /// Slot of h, created without holders when h is not indexed; true when created.
+    fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<(u32, bool)> {
+        if let Some(b) = self.predict(h, cursor) {
+            return Some((b, false));
         }
         let next = if self.blocks_free != NIL {
             self.blocks_free
         } else if self.blocks_len < FREE {
-            self.blocks_len
-        } else {
-            // 4 billion blocks: only reachable by misuse; refuse rather than wrap.
-            return None;
-        };
-        if next == self.blocks_free {
-            self.blocks_free = self.blocks.get(next).map_or(NIL, |x| x.a);
-        } else {
             if self.blocks_len as usize >= self.blocks.slots() {
                 self.blocks.grow(FREE_BLOCK);
             }
-            self.blocks_len += 1;
-        }
-        let blk = self.blocks.get_mut(next)?;
-        *blk = Block {
-            hash: h,
-            a: NIL,
-            b: NIL,
-            sa: 0,
-            sb: 0,
+            self.blocks_len
+        } else {
+            // 4 billion blocks: only reachable by misuse; refuse rather than wrap.
+            return self.locate(h, cursor).map(|b| (b, false));
         };
         let blocks = &self.blocks;
-        if !self
-            .table
-            .insert(mix(h), next, |b| blocks.get(b).map_or(0, |x| mix(x.hash)))
-        {
-            // Unreachable (the table grows before it is full); give the slot back.
-            let free = self.blocks_free;
-            if let Some(blk) = self.blocks.get_mut(next) {
-                *blk = Block {
-                    a: free,
-                    ..FREE_BLOCK
-                };
-                self.blocks_free = next;
+        let probe = self.table.find_or_insert(
+            mix(h),
+            next,
+            |b| blocks.get(b).is_some_and(|x| x.hash == h),
+            |b| blocks.get(b).map_or(0, |x| mix(x.hash)),
+        );
+        match probe {
+            Probe::Found(b) => {
+                cursor.prev = b;
+                cursor.fresh = false;
+                Some((b, false))
             }
-            return None;
+            Probe::Added => {
+                if next == self.blocks_free {
+                    self.blocks_free = self.blocks.get(next).map_or(NIL, |x| x.a);
+                } else {
+                    self.blocks_len += 1;
+                }
+                if let Some(blk) = self.blocks.get_mut(next) {
+                    *blk = Block {
+                        hash: h,
+                        a: NIL,
+                        b: NIL,
+                        sa: 0,
+                        sb: 0,
+                    };
+                }
+                cursor.prev = next;
+                cursor.fresh = true;
+                Some((next, true))
+            }
+            Probe::Full => None,
         }
-        cursor.prev = next;
-        cursor.fresh = true;
-        Some(next)
     }
 
     fn drop_block(&mut self, b: u32) {
