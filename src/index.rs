@@ -4,9 +4,11 @@
 //! because without KV events from the engines our view can only age out (Dynamo's approximate
 //! mode, llm-d's per-server LRU).
 //!
-//! # Layout (52-57 bytes per block measured at 1M blocks with 1.5-1.65 holders per block)
-//! - `table`: `HashTable<u32>` of block slots. The 64-bit hash lives in the block record, not in
-//!   the table, so a bucket is 4 bytes + 1 control byte instead of 16 + 1.
+//! # Layout (45-55 bytes per block measured at 1M blocks with 1.03-1.65 holders per block)
+//! - `table`: `SlotTable` of block slots, open addressing over 64-byte lines of 12 slots (12
+//!   one-byte tags, a spill count, 12 u32 slots), sized for 3/4 load: ~7 bytes per block, and
+//!   finding, adding or removing a key reads one cache line unless its home line overflowed.
+//!   The 64-bit hash lives in the block record, not in the table.
 //! - `blocks`: paged slab of 24-byte records `{hash, a, b, sa, sb}`: up to two holders inline
 //!   (node id + touch stamp each), the common case. A third holder spills the set into an
 //!   `Overflow` record (256-bit worker bitset + (node id, stamp) pairs), so a hot shared prefix
@@ -24,6 +26,12 @@
 //! A prompt's blocks are created together, so they sit in adjacent slots; lookups and inserts
 //! try the neighbour of the previous block's slot before probing the hash table, which turns
 //! most per-block cache misses into sequential reads.
+//!
+//! Inserting new blocks is bound by cache misses (its table line; the record, node and table
+//! line of the LRU entry each one evicts). `insert` loads them for the next 32 hashes in tight
+//! loops of independent reads before doing the work, so the misses overlap instead of
+//! following one another (no prefetch instructions: the filter runs as wasm). Eviction reuses
+//! the evicted node for the new entry, and the LRU tail stamp is re-read once per `insert`.
 //!
 //! # Semantics
 //! - An entry is expired when `now_ms - touched_ms > ttl_ms`; expired entries are misses for
@@ -108,7 +116,7 @@ fn local_of(id: u32) -> u32 {
 }
 
 /// Block hashes are already xxh3 output, but tests and callers may feed small integers; a
-/// multiply-xorshift spreads them over both the bucket bits and hashbrown's 7-bit tags.
+/// multiply-xorshift spreads them over both the home-line bits (high) and the tag (low byte).
 #[inline]
 fn mix(h: u64) -> u64 {
     let x = (h ^ (h >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -832,21 +840,43 @@ impl PrefixIndex {
         }
         let stamp = self.stamp_for(now_ms);
         let mut cursor = Cursor::new(1);
-        // In chunks, so that the cache misses of a chunk (table lines of its new blocks,
-        // records and table lines of the entries it will evict) are in flight together
-        // instead of one after another.
-        for chunk in hashes.rchunks(WARM_CHUNK) {
-            self.warm_insert(wi, chunk, &cursor);
-            for &h in chunk.iter().rev() {
-                self.insert_one(wi, cap, h, stamp, &mut cursor);
+        // A hash that is not next to the previous block is likely new: load what it and the
+        // hashes after it will miss on (table lines of new blocks, records and table lines of
+        // the entries they evict) all at once, so the misses overlap. Runs of blocks found
+        // next to each other (a cached prefix) need no table and no eviction: no warm-up.
+        let mut warmed = 0usize;
+        for (k, &h) in hashes.iter().rev().enumerate() {
+            let near = self.predict(h, &mut cursor);
+            if near.is_none() && warmed == 0 {
+                let end = hashes.len() - k;
+                let start = end.saturating_sub(WARM_CHUNK);
+                if let Some(chunk) = hashes.get(start..end) {
+                    self.warm_insert(wi, chunk, &cursor);
+                }
+                warmed = end - start;
             }
+            warmed = warmed.saturating_sub(1);
+            self.insert_one(wi, cap, h, near, stamp, &mut cursor);
         }
         // The tail stamp is only read outside `insert`: re-read it once.
         self.fix_tail(wi);
     }
 
-    fn insert_one(&mut self, wi: usize, cap: u32, h: u64, stamp: u32, cursor: &mut Cursor) {
-        let Some((b, created)) = self.locate_or_create(h, cursor) else {
+    /// `near`: h's slot if `predict` found it.
+    fn insert_one(
+        &mut self,
+        wi: usize,
+        cap: u32,
+        h: u64,
+        near: Option<u32>,
+        stamp: u32,
+        cursor: &mut Cursor,
+    ) {
+        let located = match near {
+            Some(b) => Some((b, false)),
+            None => self.locate_or_create(h, cursor),
+        };
+        let Some((b, created)) = located else {
             return;
         };
         if !created {
@@ -1147,10 +1177,8 @@ impl PrefixIndex {
     }
 
     /// Slot of h, created without holders when h is not indexed; true when created.
+    /// `predict` already failed for h.
     fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<(u32, bool)> {
-        if let Some(b) = self.predict(h, cursor) {
-            return Some((b, false));
-        }
         let next = if self.blocks_free != NIL {
             self.blocks_free
         } else if self.blocks_len < FREE {
