@@ -31,8 +31,12 @@ target (one of):
   --target URL              router or worker base URL, e.g. http://127.0.0.1:10000
   --oracle-workers URLS     comma-separated worker base URLs: probe /v1/cache/probe on every
                             worker before each request and send to the cheapest (oracle)
-  --oracle-prefill-scale F  weight of pending prefill vs. held KV in the oracle cost [1.0]
-  --oracle-block-size N     block size for the oracle's cost, tokens [16]
+  --oracle-prefill-scale F  oracle cost per token of pending prefill (requests sent to the
+                            worker and not at their first token yet, plus this request's
+                            uncached tokens from the probe) [1.0]
+  --oracle-held-weight F    oracle cost per token of KV held by in-flight requests
+                            (prompt + max_tokens, plus this request's uncached tokens) [1.0]
+  --oracle-block-size N     tokens per block in the cost (scale only) [16]
 
 run mode:
   --workload mooncake|synthetic   [mooncake]
@@ -84,6 +88,7 @@ pub struct Args {
     pub oracle_workers: Vec<String>,
     pub oracle_prefill_scale: f64,
     pub oracle_block_size: f64,
+    pub oracle_held_weight: f64,
     pub workload: String,
     pub speed: f64,
     pub max_output: u64,
@@ -128,6 +133,7 @@ fn parse_args() -> Result<Args, String> {
         oracle_workers: Vec::new(),
         oracle_prefill_scale: 1.0,
         oracle_block_size: 16.0,
+        oracle_held_weight: 1.0,
         workload: "mooncake".into(),
         speed: 1.0,
         max_output: 0,
@@ -185,6 +191,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--oracle-prefill-scale" => a.oracle_prefill_scale = num!(),
             "--oracle-block-size" => a.oracle_block_size = num!(),
+            "--oracle-held-weight" => a.oracle_held_weight = num!(),
             "--workload" => a.workload = v,
             "--speed" => a.speed = num!(),
             "--max-output" => a.max_output = num!(),
@@ -260,6 +267,7 @@ fn parse_args() -> Result<Args, String> {
 pub struct Oracle {
     workers: Vec<String>,
     prefill_scale: f64,
+    held_weight: f64,
     block: f64,
     state: Mutex<OracleState>,
 }
@@ -281,11 +289,12 @@ pub struct Pick {
 }
 
 impl Oracle {
-    fn new(workers: Vec<String>, prefill_scale: f64, block: f64, seed: u64) -> Self {
+    fn new(workers: Vec<String>, prefill_scale: f64, held_weight: f64, block: f64, seed: u64) -> Self {
         let n = workers.len();
         Oracle {
             workers,
             prefill_scale,
+            held_weight,
             block,
             state: Mutex::new(OracleState {
                 prefill: vec![0.0; n],
@@ -313,8 +322,9 @@ impl Oracle {
         for (i, p) in probes.iter().enumerate() {
             let Ok((prompt, cached)) = p else { continue };
             let uncached = prompt.saturating_sub(*cached) as f64;
-            let cost = self.prefill_scale * (st.prefill[i] + uncached) / self.block
-                + (st.held[i] + uncached) / self.block;
+            let cost = (self.prefill_scale * (st.prefill[i] + uncached)
+                + self.held_weight * (st.held[i] + uncached))
+                / self.block;
             let tie = text::splitmix(&mut st.rng);
             let key = (cost, st.inflight[i], tie, i);
             if best.is_none_or(|b| (key.0, key.1, key.2) < (b.0, b.1, b.2)) {
@@ -469,7 +479,13 @@ async fn async_main(a: Args) -> i32 {
 
 async fn run(a: Args) -> i32 {
     let oracle = (!a.oracle_workers.is_empty())
-        .then(|| Oracle::new(a.oracle_workers.clone(), a.oracle_prefill_scale, a.oracle_block_size, a.seed));
+        .then(|| Oracle::new(
+            a.oracle_workers.clone(),
+            a.oracle_prefill_scale,
+            a.oracle_held_weight,
+            a.oracle_block_size,
+            a.seed,
+        ));
     let ctx = Arc::new(Ctx {
         client: client::new_client(),
         target: a.target.clone(),
