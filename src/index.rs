@@ -128,12 +128,16 @@ impl<T: Copy, const BITS: u32> Pages<T, BITS> {
 
     #[inline]
     fn get(&self, i: u32) -> Option<&T> {
-        self.pages.get((i >> BITS) as usize)?.get(i as usize & (Self::LEN - 1))
+        self.pages
+            .get((i >> BITS) as usize)?
+            .get(i as usize & (Self::LEN - 1))
     }
 
     #[inline]
     fn get_mut(&mut self, i: u32) -> Option<&mut T> {
-        self.pages.get_mut((i >> BITS) as usize)?.get_mut(i as usize & (Self::LEN - 1))
+        self.pages
+            .get_mut((i >> BITS) as usize)?
+            .get_mut(i as usize & (Self::LEN - 1))
     }
 
     fn slots(&self) -> usize {
@@ -162,7 +166,11 @@ struct Node {
     block: u32,
 }
 
-const FREE_NODE: Node = Node { prev: NIL, next: NIL, block: NIL };
+const FREE_NODE: Node = Node {
+    prev: NIL,
+    next: NIL,
+    block: NIL,
+};
 
 /// Inline: `a`, `b` are holder node ids (`NIL` when absent, `a` filled first) touched at
 /// `sa`, `sb`. Spilled: `a` = overflow record, `b` = `SPILLED`. Free: `b` = `FREE`, `a` = next
@@ -176,7 +184,13 @@ struct Block {
     sb: u32,
 }
 
-const FREE_BLOCK: Block = Block { hash: 0, a: NIL, b: FREE, sa: 0, sb: 0 };
+const FREE_BLOCK: Block = Block {
+    hash: 0,
+    a: NIL,
+    b: FREE,
+    sa: 0,
+    sb: 0,
+};
 
 /// Holder set of a block with 3 or more holders: (node id, stamp) pairs plus their workers as
 /// a bitset for lookups.
@@ -217,7 +231,9 @@ impl Worker {
     }
 
     fn unlink(&mut self, l: u32) {
-        let Some(n) = self.nodes.get_mut(l) else { return };
+        let Some(n) = self.nodes.get_mut(l) else {
+            return;
+        };
         let (prev, next) = (n.prev, n.next);
         n.prev = NIL;
         n.next = NIL;
@@ -233,7 +249,9 @@ impl Worker {
 
     fn push_front(&mut self, l: u32) {
         let old = self.head;
-        let Some(n) = self.nodes.get_mut(l) else { return };
+        let Some(n) = self.nodes.get_mut(l) else {
+            return;
+        };
         n.prev = NIL;
         n.next = old;
         match self.nodes.get_mut(old) {
@@ -258,7 +276,11 @@ impl Worker {
             self.len += 1;
             self.len - 1
         };
-        *self.nodes.get_mut(l)? = Node { prev: NIL, next: NIL, block };
+        *self.nodes.get_mut(l)? = Node {
+            prev: NIL,
+            next: NIL,
+            block,
+        };
         self.push_front(l);
         self.count += 1;
         Some(l)
@@ -303,7 +325,9 @@ impl PrefixIndex {
             blocks_free: NIL,
             overflow: Vec::new(),
             overflow_free: Vec::new(),
-            workers: (0..MAX_WORKERS).map(|_| Worker::new(DEFAULT_CAPACITY)).collect(),
+            workers: (0..MAX_WORKERS)
+                .map(|_| Worker::new(DEFAULT_CAPACITY))
+                .collect(),
             ttl: ttl_ms.min(MAX_TTL_MS),
             epoch: 0,
             clock: 0,
@@ -315,7 +339,9 @@ impl PrefixIndex {
     /// first). Clamped to `MAX_CAPACITY`; 0 makes the worker hold nothing.
     pub fn set_capacity(&mut self, w: WorkerId, blocks: u32) {
         let wi = w as usize;
-        let Some(wk) = self.workers.get_mut(wi) else { return };
+        let Some(wk) = self.workers.get_mut(wi) else {
+            return;
+        };
         wk.cap = blocks.min(MAX_CAPACITY);
         self.evict_to(wi, blocks.min(MAX_CAPACITY));
     }
@@ -326,7 +352,9 @@ impl PrefixIndex {
     pub fn reserve(&mut self, blocks: usize) {
         let additional = blocks.saturating_sub(self.table.len());
         let table_blocks = &self.blocks;
-        self.table.reserve(additional, |&b| table_blocks.get(b).map_or(0, |x| mix(x.hash)));
+        self.table.reserve(additional, |&b| {
+            table_blocks.get(b).map_or(0, |x| mix(x.hash))
+        });
     }
 
     /// Number of leading blocks of `hashes` each worker holds: out[w] for w < out.len().
@@ -397,9 +425,13 @@ impl PrefixIndex {
         let stamp = self.stamp_for(now_ms);
         let mut cursor = Cursor::new(1);
         for &h in hashes.iter().rev() {
-            let Some(b) = self.locate_or_create(h, &mut cursor) else { continue };
+            let Some(b) = self.locate_or_create(h, &mut cursor) else {
+                continue;
+            };
             if let Some(l) = self.holder_touch(b, wi, stamp) {
-                let Some(wk) = self.workers.get_mut(wi) else { return };
+                let Some(wk) = self.workers.get_mut(wi) else {
+                    return;
+                };
                 let was_tail = wk.tail == l;
                 if wk.head != l {
                     wk.unlink(l);
@@ -454,7 +486,9 @@ impl PrefixIndex {
     /// Its capacity setting is kept.
     pub fn clear_worker(&mut self, w: WorkerId) {
         let wi = w as usize;
-        let Some(slot) = self.workers.get_mut(wi) else { return };
+        let Some(slot) = self.workers.get_mut(wi) else {
+            return;
+        };
         // Detach the worker so its list can be walked while block records change.
         let wk = core::mem::replace(slot, Worker::new(slot.cap));
         let mut l = wk.head;
@@ -480,7 +514,9 @@ impl PrefixIndex {
                     return removed;
                 }
                 work += 1;
-                let Some(wk) = self.workers.get(wi) else { break };
+                let Some(wk) = self.workers.get(wi) else {
+                    break;
+                };
                 if wk.count == 0 || (wk.tail_stamp as u64) >= thr {
                     break;
                 }
@@ -500,7 +536,9 @@ impl PrefixIndex {
 
     /// Blocks held by w (including expired entries not yet dropped by `expire`).
     pub fn entries(&self, w: WorkerId) -> usize {
-        self.workers.get(w as usize).map_or(0, |wk| wk.count as usize)
+        self.workers
+            .get(w as usize)
+            .map_or(0, |wk| wk.count as usize)
     }
 
     /// Heap bytes allocated by the index (allocations, not live entries; allocator headers
@@ -639,7 +677,15 @@ impl PrefixIndex {
                     self.blocks_len += 1;
                 }
                 match self.blocks.get_mut(next) {
-                    Some(blk) => *blk = Block { hash: h, a: NIL, b: NIL, sa: 0, sb: 0 },
+                    Some(blk) => {
+                        *blk = Block {
+                            hash: h,
+                            a: NIL,
+                            b: NIL,
+                            sa: 0,
+                            sb: 0,
+                        }
+                    }
                     None => {
                         // Unreachable (the slot was just allocated); keep the table consistent.
                         if let Ok(e) = self.table.find_entry(mix(h), |&x| x == next) {
@@ -656,7 +702,9 @@ impl PrefixIndex {
     }
 
     fn drop_block(&mut self, b: u32) {
-        let Some(blk) = self.blocks.get(b) else { return };
+        let Some(blk) = self.blocks.get(b) else {
+            return;
+        };
         if blk.b == FREE {
             return;
         }
@@ -665,7 +713,10 @@ impl PrefixIndex {
         }
         let free = self.blocks_free;
         if let Some(blk) = self.blocks.get_mut(b) {
-            *blk = Block { a: free, ..FREE_BLOCK };
+            *blk = Block {
+                a: free,
+                ..FREE_BLOCK
+            };
             self.blocks_free = b;
         }
     }
@@ -683,7 +734,10 @@ impl PrefixIndex {
                 if !bit_get(&o.bits, w) {
                     return None;
                 }
-                o.held.iter().find(|(id, _)| worker_of(*id) == w).map(|(id, _)| local_of(*id))
+                o.held
+                    .iter()
+                    .find(|(id, _)| worker_of(*id) == w)
+                    .map(|(id, _)| local_of(*id))
             }
             _ => [blk.a, blk.b]
                 .into_iter()
@@ -698,7 +752,10 @@ impl PrefixIndex {
             FREE => None,
             SPILLED => {
                 let o = self.overflow.get(blk.a as usize)?;
-                o.held.iter().find(|(id, _)| worker_of(*id) == w).map(|&(_, s)| s)
+                o.held
+                    .iter()
+                    .find(|(id, _)| worker_of(*id) == w)
+                    .map(|&(_, s)| s)
             }
             _ => {
                 if blk.a != NIL && worker_of(blk.a) == w {
@@ -742,11 +799,15 @@ impl PrefixIndex {
 
     fn holder_add(&mut self, b: u32, w: usize, l: u32, stamp: u32) -> bool {
         let id = node_id(w, l);
-        let Some(blk) = self.blocks.get_mut(b) else { return false };
+        let Some(blk) = self.blocks.get_mut(b) else {
+            return false;
+        };
         match blk.b {
             FREE => return false,
             SPILLED => {
-                let Some(o) = self.overflow.get_mut(blk.a as usize) else { return false };
+                let Some(o) = self.overflow.get_mut(blk.a as usize) else {
+                    return false;
+                };
                 o.held.push((id, stamp));
                 bit_set(&mut o.bits, w);
                 return true;
@@ -761,7 +822,10 @@ impl PrefixIndex {
             (blk.b, blk.sb) = (id, stamp);
             return true;
         }
-        let mut o = Overflow { bits: [0; 4], held: vec![(blk.a, blk.sa), (blk.b, blk.sb), (id, stamp)] };
+        let mut o = Overflow {
+            bits: [0; 4],
+            held: vec![(blk.a, blk.sa), (blk.b, blk.sb), (id, stamp)],
+        };
         for &(x, _) in &o.held {
             bit_set(&mut o.bits, worker_of(x));
         }
@@ -774,7 +838,9 @@ impl PrefixIndex {
                 None => return false,
             },
             None => {
-                let Ok(i) = u32::try_from(self.overflow.len()) else { return false };
+                let Ok(i) = u32::try_from(self.overflow.len()) else {
+                    return false;
+                };
                 self.overflow.push(o);
                 i
             }
@@ -786,12 +852,16 @@ impl PrefixIndex {
 
     /// Removes w from the holders of b; true when b has no holder left.
     fn holder_remove(&mut self, b: u32, w: usize) -> bool {
-        let Some(blk) = self.blocks.get_mut(b) else { return false };
+        let Some(blk) = self.blocks.get_mut(b) else {
+            return false;
+        };
         match blk.b {
             FREE => return false,
             SPILLED => {
                 let oi = blk.a;
-                let Some(o) = self.overflow.get_mut(oi as usize) else { return false };
+                let Some(o) = self.overflow.get_mut(oi as usize) else {
+                    return false;
+                };
                 if let Some(pos) = o.held.iter().position(|(id, _)| worker_of(*id) == w) {
                     o.held.swap_remove(pos);
                     bit_clear(&mut o.bits, w);
@@ -820,11 +890,15 @@ impl PrefixIndex {
     #[inline]
     fn fresh_holders(&self, b: u32, active: &Bits, stale: &Bits, thr: u64) -> Bits {
         let mut out: Bits = [0; 4];
-        let Some(blk) = self.blocks.get(b) else { return out };
+        let Some(blk) = self.blocks.get(b) else {
+            return out;
+        };
         match blk.b {
             FREE => {}
             SPILLED => {
-                let Some(o) = self.overflow.get(blk.a as usize) else { return out };
+                let Some(o) = self.overflow.get(blk.a as usize) else {
+                    return out;
+                };
                 let mut check: Bits = [0; 4];
                 for k in 0..4 {
                     out[k] = o.bits[k] & active[k];
@@ -857,7 +931,9 @@ impl PrefixIndex {
 
     /// Re-read the stamp of w's LRU tail after its list changed.
     fn fix_tail(&mut self, wi: usize) {
-        let Some(wk) = self.workers.get(wi) else { return };
+        let Some(wk) = self.workers.get(wi) else {
+            return;
+        };
         let stamp = match wk.nodes.get(wk.tail) {
             Some(n) => self.holder_stamp(n.block, wi).unwrap_or(0),
             None => u32::MAX,
@@ -868,8 +944,12 @@ impl PrefixIndex {
     }
 
     fn remove_node(&mut self, wi: usize, l: u32) {
-        let Some(wk) = self.workers.get_mut(wi) else { return };
-        let Some(b) = wk.nodes.get(l).map(|n| n.block) else { return };
+        let Some(wk) = self.workers.get_mut(wi) else {
+            return;
+        };
+        let Some(b) = wk.nodes.get(l).map(|n| n.block) else {
+            return;
+        };
         if b == NIL {
             return;
         }
@@ -885,7 +965,9 @@ impl PrefixIndex {
 
     fn evict_to(&mut self, wi: usize, keep: u32) {
         loop {
-            let Some(wk) = self.workers.get(wi) else { return };
+            let Some(wk) = self.workers.get(wi) else {
+                return;
+            };
             if wk.count <= keep || wk.tail == NIL {
                 return;
             }
@@ -912,7 +994,9 @@ impl PrefixIndex {
     /// Entries of w that `lookup` at `now_ms` would count.
     fn fresh_entries(&self, w: usize, now_ms: u64) -> usize {
         let thr = self.threshold(now_ms);
-        let Some(wk) = self.workers.get(w) else { return 0 };
+        let Some(wk) = self.workers.get(w) else {
+            return 0;
+        };
         let mut l = wk.head;
         let mut n = 0;
         while let Some(node) = wk.nodes.get(l) {
@@ -937,12 +1021,18 @@ impl PrefixIndex {
         for b in self.table.iter().copied() {
             let blk = self.blocks.get(b).expect("block slot");
             assert_ne!(blk.b, FREE);
-            assert_eq!(self.find_block(blk.hash), Some(b), "table/block hash mismatch");
+            assert_eq!(
+                self.find_block(blk.hash),
+                Some(b),
+                "table/block hash mismatch"
+            );
             let ids: Vec<u32> = if blk.b == SPILLED {
                 let o = &self.overflow[blk.a as usize];
                 assert!(o.held.len() >= 3, "overflow with {} holders", o.held.len());
                 let mut bits = [0; 4];
-                o.held.iter().for_each(|&(id, _)| bit_set(&mut bits, worker_of(id)));
+                o.held
+                    .iter()
+                    .for_each(|&(id, _)| bit_set(&mut bits, worker_of(id)));
                 assert_eq!(bits, o.bits);
                 o.held.iter().map(|&(id, _)| id).collect()
             } else {
@@ -954,7 +1044,10 @@ impl PrefixIndex {
             ws.dedup();
             assert_eq!(ws.len(), ids.len(), "worker twice in a holder set");
             for id in ids {
-                let n = self.workers[worker_of(id)].nodes.get(local_of(id)).expect("node");
+                let n = self.workers[worker_of(id)]
+                    .nodes
+                    .get(local_of(id))
+                    .expect("node");
                 assert_eq!(n.block, b);
                 holders_total += 1;
             }
@@ -968,7 +1061,9 @@ impl PrefixIndex {
             while l != NIL {
                 let node = wk.nodes.get(l).expect("linked node");
                 assert_eq!(node.prev, prev);
-                let stamp = self.holder_stamp(node.block, w).expect("listed node not a holder");
+                let stamp = self
+                    .holder_stamp(node.block, w)
+                    .expect("listed node not a holder");
                 assert!(stamp <= last_stamp, "LRU list not sorted by stamp");
                 last_stamp = stamp;
                 prev = l;
@@ -1211,7 +1306,11 @@ mod tests {
         let table = ix.table.allocation_size();
         let hashes: Vec<u64> = (10..100_000).collect();
         ix.insert(5, &hashes, T0);
-        assert_eq!(ix.table.allocation_size(), table, "table grew after reserve");
+        assert_eq!(
+            ix.table.allocation_size(),
+            table,
+            "table grew after reserve"
+        );
         assert_eq!(look(&ix, &[1, 2, 3], T0, 6)[4..], [3, 0]);
         ix.check();
     }
@@ -1232,7 +1331,10 @@ mod tests {
         assert_eq!(ix.blocks(), n as usize);
         let per_block = ix.memory_bytes() as f64 / n as f64;
         // Lower bound: 24-byte block + 1.5 x 12-byte nodes; upper bound: the 64-byte target.
-        assert!((40.0..64.0).contains(&per_block), "{per_block} bytes per block");
+        assert!(
+            (40.0..64.0).contains(&per_block),
+            "{per_block} bytes per block"
+        );
         ix.check();
     }
 }
@@ -1284,7 +1386,9 @@ mod props {
 
     impl Model {
         fn fresh(&self, w: usize, h: u64, now: u64) -> bool {
-            self.lru[w].iter().any(|&(x, t)| x == h && now.saturating_sub(t) <= self.ttl)
+            self.lru[w]
+                .iter()
+                .any(|&(x, t)| x == h && now.saturating_sub(t) <= self.ttl)
         }
 
         fn insert(&mut self, w: usize, hashes: &[u64], now: u64) {
@@ -1308,7 +1412,10 @@ mod props {
                     if w >= self.lru.len() {
                         return 0;
                     }
-                    hashes.iter().take_while(|&&h| self.fresh(w, h, now)).count() as u32
+                    hashes
+                        .iter()
+                        .take_while(|&&h| self.fresh(w, h, now))
+                        .count() as u32
                 })
                 .collect()
         }

@@ -9,10 +9,10 @@ pub mod feedback;
 pub mod hashing;
 pub mod index;
 pub mod load;
+pub mod replication;
 pub mod request;
 pub mod rng;
 pub mod router;
-pub mod replication;
 pub mod select;
 
 #[cfg(feature = "filter")]

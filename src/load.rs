@@ -117,7 +117,11 @@ pub struct WorkerView {
 
 impl LoadTable {
     pub fn new(workers: usize, params: LoadParams) -> Self {
-        Self { params, workers: vec![WorkerLoad::default(); workers], active: HashMap::new() }
+        Self {
+            params,
+            workers: vec![WorkerLoad::default(); workers],
+            active: HashMap::new(),
+        }
     }
 
     pub fn params(&self) -> &LoadParams {
@@ -140,12 +144,19 @@ impl LoadTable {
     pub fn add(&mut self, r: &NewRequest<'_>) -> bool {
         let n = self.workers.len();
         let prefill_worker = r.prefill_worker.unwrap_or(r.worker);
-        if usize::from(r.worker) >= n || usize::from(prefill_worker) >= n || self.active.contains_key(&r.id) {
+        if usize::from(r.worker) >= n
+            || usize::from(prefill_worker) >= n
+            || self.active.contains_key(&r.id)
+        {
             return false;
         }
         let p = self.params;
         let cached = (r.cached_blocks as usize).min(r.blocks.len());
-        let charged = if p.staged_decode && r.prefill_tokens > 0 { cached } else { r.blocks.len() };
+        let charged = if p.staged_decode && r.prefill_tokens > 0 {
+            cached
+        } else {
+            r.blocks.len()
+        };
         let pending = r.prefill_tokens > 0;
         let mut start = r.now_ms;
         let mut dur = 0;
@@ -168,7 +179,12 @@ impl LoadTable {
             for h in r.blocks.iter().take(charged) {
                 *w.block_refs.entry(*h).or_insert(0) += 1;
             }
-            let decayed = decay(w.fresh_blocks, w.fresh_at_ms, r.now_ms, p.fresh_half_life_ms);
+            let decayed = decay(
+                w.fresh_blocks,
+                w.fresh_at_ms,
+                r.now_ms,
+                p.fresh_half_life_ms,
+            );
             w.fresh_blocks = decayed + fresh;
             w.fresh_at_ms = w.fresh_at_ms.max(r.now_ms);
         }
@@ -192,13 +208,17 @@ impl LoadTable {
 
     /// The first output byte arrived: the prompt is computed and its blocks are resident.
     pub fn prefill_done(&mut self, id: RequestId) -> bool {
-        let Some(a) = self.active.get_mut(&id) else { return false };
+        let Some(a) = self.active.get_mut(&id) else {
+            return false;
+        };
         if !a.prefill_pending {
             return false;
         }
         a.prefill_pending = false;
         if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
-            pw.prefill_tokens = pw.prefill_tokens.saturating_sub(u64::from(a.prefill_tokens));
+            pw.prefill_tokens = pw
+                .prefill_tokens
+                .saturating_sub(u64::from(a.prefill_tokens));
             pw.pending.retain(|x| *x != id);
             if pw.pending.is_empty() {
                 pw.prefill_horizon_ms = 0;
@@ -221,7 +241,9 @@ impl LoadTable {
             return false;
         }
         self.prefill_done(id);
-        let Some(a) = self.active.remove(&id) else { return false };
+        let Some(a) = self.active.remove(&id) else {
+            return false;
+        };
         if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
             w.inflight = w.inflight.saturating_sub(1);
             w.private_blocks = w.private_blocks.saturating_sub(u64::from(a.tail_blocks));
@@ -239,8 +261,12 @@ impl LoadTable {
 
     /// Releases requests past their TTL; returns how many.
     pub fn expire(&mut self, now_ms: u64) -> usize {
-        let dead: Vec<RequestId> =
-            self.active.iter().filter(|(_, a)| a.expires_ms <= now_ms).map(|(id, _)| *id).collect();
+        let dead: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.expires_ms <= now_ms)
+            .map(|(id, _)| *id)
+            .collect();
         for id in &dead {
             self.free(*id);
         }
@@ -259,7 +285,9 @@ impl LoadTable {
     pub fn mark_failed(&mut self, w: WorkerId, now_ms: u64, cooldown_ms: u64) {
         if let Some(wl) = self.workers.get_mut(usize::from(w)) {
             wl.failures = wl.failures.saturating_add(1);
-            wl.unhealthy_until_ms = wl.unhealthy_until_ms.max(now_ms.saturating_add(cooldown_ms));
+            wl.unhealthy_until_ms = wl
+                .unhealthy_until_ms
+                .max(now_ms.saturating_add(cooldown_ms));
         }
     }
 
@@ -272,14 +300,23 @@ impl LoadTable {
     }
 
     pub fn view(&self, w: WorkerId, now_ms: u64, report_max_age_ms: u64) -> WorkerView {
-        let Some(wl) = self.workers.get(usize::from(w)) else { return WorkerView::default() };
+        let Some(wl) = self.workers.get(usize::from(w)) else {
+            return WorkerView::default();
+        };
         WorkerView {
             inflight: wl.inflight,
             prefill_tokens: self.effective_prefill(wl, now_ms),
             active_blocks: wl.block_refs.len() as u64 + wl.private_blocks,
-            fresh_blocks: decay(wl.fresh_blocks, wl.fresh_at_ms, now_ms, self.params.fresh_half_life_ms),
+            fresh_blocks: decay(
+                wl.fresh_blocks,
+                wl.fresh_at_ms,
+                now_ms,
+                self.params.fresh_half_life_ms,
+            ),
             healthy: wl.unhealthy_until_ms <= now_ms,
-            report: wl.report.filter(|r| now_ms.saturating_sub(r.at_ms) <= report_max_age_ms),
+            report: wl
+                .report
+                .filter(|r| now_ms.saturating_sub(r.at_ms) <= report_max_age_ms),
         }
     }
 
@@ -292,7 +329,11 @@ impl LoadTable {
             .filter_map(|id| self.active.get(id))
             .map(|a| {
                 let elapsed = now_ms.saturating_sub(a.prefill_start_ms) as f64;
-                let left = if a.prefill_dur_ms == 0 { 0.0 } else { 1.0 - elapsed / a.prefill_dur_ms as f64 };
+                let left = if a.prefill_dur_ms == 0 {
+                    0.0
+                } else {
+                    1.0 - elapsed / a.prefill_dur_ms as f64
+                };
                 f64::from(a.prefill_tokens) * left.clamp(0.0, 1.0)
             })
             .sum()
@@ -301,7 +342,11 @@ impl LoadTable {
     /// Totals across workers, for tests and metrics: (inflight, prefill tokens, active blocks).
     pub fn totals(&self) -> (u64, u64, u64) {
         self.workers.iter().fold((0, 0, 0), |(i, p, b), w| {
-            (i + u64::from(w.inflight), p + w.prefill_tokens, b + w.block_refs.len() as u64 + w.private_blocks)
+            (
+                i + u64::from(w.inflight),
+                p + w.prefill_tokens,
+                b + w.block_refs.len() as u64 + w.private_blocks,
+            )
         })
     }
 }
@@ -320,7 +365,14 @@ mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn req(id: RequestId, w: WorkerId, blocks: &[u64], cached: u32, tokens: u32, now: u64) -> NewRequest<'_> {
+    fn req(
+        id: RequestId,
+        w: WorkerId,
+        blocks: &[u64],
+        cached: u32,
+        tokens: u32,
+        now: u64,
+    ) -> NewRequest<'_> {
         NewRequest {
             id,
             worker: w,
@@ -367,9 +419,15 @@ mod tests {
 
     #[test]
     fn staged_decode_moves_suffix_at_prefill_done() {
-        let p = LoadParams { staged_decode: true, ..LoadParams::default() };
+        let p = LoadParams {
+            staged_decode: true,
+            ..LoadParams::default()
+        };
         let mut t = LoadTable::new(1, p);
-        let r = NewRequest { tail_blocks: 0, ..req(1, 0, &[1, 2, 3, 4], 1, 48, 0) };
+        let r = NewRequest {
+            tail_blocks: 0,
+            ..req(1, 0, &[1, 2, 3, 4], 1, 48, 0)
+        };
         t.add(&r);
         assert_eq!(t.view(0, 0, 0).active_blocks, 1);
         t.prefill_done(1);
@@ -381,7 +439,10 @@ mod tests {
     #[test]
     fn disaggregated_request_charges_prefill_and_decode_sides() {
         let mut t = LoadTable::new(2, LoadParams::default());
-        let r = NewRequest { prefill_worker: Some(1), ..req(1, 0, &[1, 2], 0, 32, 0) };
+        let r = NewRequest {
+            prefill_worker: Some(1),
+            ..req(1, 0, &[1, 2], 0, 32, 0)
+        };
         t.add(&r);
         assert_eq!(t.view(1, 0, 0).prefill_tokens, 32.0);
         assert_eq!(t.view(1, 0, 0).inflight, 0);
@@ -410,7 +471,10 @@ mod tests {
 
     #[test]
     fn ttl_expiry_releases_lost_requests() {
-        let p = LoadParams { request_ttl_ms: 100, ..LoadParams::default() };
+        let p = LoadParams {
+            request_ttl_ms: 100,
+            ..LoadParams::default()
+        };
         let mut t = LoadTable::new(1, p);
         t.add(&req(1, 0, &[1], 0, 16, 0));
         t.add(&req(2, 0, &[2], 0, 16, 50));
@@ -430,8 +494,24 @@ mod tests {
         t.mark_failed(0, 2000, 500);
         t.mark_ok(0);
         assert!(t.view(0, 2000, 0).healthy);
-        t.report(0, Report { kv_usage: 0.5, waiting: 3, running: None, at_ms: 100 });
-        t.report(0, Report { kv_usage: 0.9, waiting: 0, running: None, at_ms: 50 }); // older: ignored
+        t.report(
+            0,
+            Report {
+                kv_usage: 0.5,
+                waiting: 3,
+                running: None,
+                at_ms: 100,
+            },
+        );
+        t.report(
+            0,
+            Report {
+                kv_usage: 0.9,
+                waiting: 0,
+                running: None,
+                at_ms: 50,
+            },
+        ); // older: ignored
         assert_eq!(t.view(0, 200, 1000).report.map(|r| r.waiting), Some(3));
         assert_eq!(t.view(0, 2000, 1000).report, None);
     }
@@ -444,7 +524,12 @@ mod props {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Add { w: u16, blocks: Vec<u64>, cached: u32, tokens: u32 },
+        Add {
+            w: u16,
+            blocks: Vec<u64>,
+            cached: u32,
+            tokens: u32,
+        },
         PrefillDone(usize),
         Free(usize),
         Expire(u64),
@@ -452,8 +537,18 @@ mod props {
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u16..4, prop::collection::vec(0u64..12, 0..8), 0u32..8, 0u32..200)
-                .prop_map(|(w, blocks, cached, tokens)| Op::Add { w, blocks, cached, tokens }),
+            (
+                0u16..4,
+                prop::collection::vec(0u64..12, 0..8),
+                0u32..8,
+                0u32..200
+            )
+                .prop_map(|(w, blocks, cached, tokens)| Op::Add {
+                    w,
+                    blocks,
+                    cached,
+                    tokens
+                }),
             (0usize..40).prop_map(Op::PrefillDone),
             (0usize..40).prop_map(Op::Free),
             (0u64..50).prop_map(Op::Expire),

@@ -42,7 +42,10 @@ pub struct Timing {
 
 impl Default for Timing {
     fn default() -> Self {
-        Self { stale_ms: 2_000, forget_ms: 30_000 }
+        Self {
+            stale_ms: 2_000,
+            forget_ms: 30_000,
+        }
     }
 }
 
@@ -53,6 +56,8 @@ pub struct Replicator {
     queue: u32,
     peers: Vec<Peer>,
     timing: Timing,
+    /// CAS token of the membership record when `peers` was last rebuilt.
+    seen_cas: Option<u32>,
 }
 
 /// CAS retries before giving up until the next tick (contention is a handful of VMs).
@@ -63,7 +68,14 @@ impl Replicator {
     pub fn join(bus: &dyn SharedBus, ns: &str, now_ms: u64, timing: Timing) -> Option<Replicator> {
         let id = next_member_id(bus, ns)?;
         let queue = bus.register_queue(&queue_name(ns, id))?;
-        let mut r = Replicator { ns: ns.to_string(), id, queue, peers: Vec::new(), timing };
+        let mut r = Replicator {
+            ns: ns.to_string(),
+            id,
+            queue,
+            peers: Vec::new(),
+            timing,
+            seen_cas: None,
+        };
         r.heartbeat(bus, now_ms);
         Some(r)
     }
@@ -83,19 +95,38 @@ impl Replicator {
     /// Refreshes our heartbeat and the list of live peers; call on every tick.
     pub fn heartbeat(&mut self, bus: &dyn SharedBus, now_ms: u64) {
         let key = members_key(&self.ns);
-        let mut members = Vec::new();
         for _ in 0..CAS_RETRIES {
             let (bytes, cas) = bus.get(&key);
-            members = decode_members(bytes.as_deref().unwrap_or(&[]));
-            members.retain(|m| m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.forget_ms);
-            members.push(Member { id: self.id, heartbeat_ms: now_ms });
+            let mut members = decode_members(bytes.as_deref().unwrap_or(&[]));
+            members.retain(|m| {
+                m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.forget_ms
+            });
+            members.push(Member {
+                id: self.id,
+                heartbeat_ms: now_ms,
+            });
             if bus.set(&key, &encode_members(&members), cas) {
                 break;
             }
         }
+        self.seen_cas = None;
+        self.refresh(bus, now_ms);
+    }
+
+    /// Rebuilds the peer list when the membership record changed since we last looked, so
+    /// a VM that joined a moment ago gets events before our next heartbeat.
+    pub fn refresh(&mut self, bus: &dyn SharedBus, now_ms: u64) {
+        let (bytes, cas) = bus.get(&members_key(&self.ns));
+        if cas.is_some() && cas == self.seen_cas {
+            return;
+        }
+        self.seen_cas = cas;
+        let members = decode_members(bytes.as_deref().unwrap_or(&[]));
         let live: Vec<u32> = members
             .iter()
-            .filter(|m| m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.stale_ms)
+            .filter(|m| {
+                m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.stale_ms
+            })
             .map(|m| m.id)
             .collect();
         self.peers.retain(|p| live.contains(&p.id));
@@ -110,8 +141,18 @@ impl Replicator {
     }
 
     /// Sends one message to every live peer; returns how many accepted it.
-    pub fn broadcast(&self, bus: &dyn SharedBus, msg: &[u8]) -> usize {
-        self.peers.iter().filter(|p| bus.enqueue(p.queue, msg)).count()
+    pub fn broadcast(&mut self, bus: &dyn SharedBus, now_ms: u64, msg: &[u8]) -> usize {
+        self.refresh(bus, now_ms);
+        self.peers
+            .iter()
+            .filter(|p| bus.enqueue(p.queue, msg))
+            .count()
+    }
+
+    /// Puts an empty message in our own queue: Envoy then calls `on_queue_ready` on this
+    /// VM after the current callback, which is how deferred work leaves the request path.
+    pub fn wake_self(&self, bus: &dyn SharedBus) -> bool {
+        bus.enqueue(self.queue, &[])
     }
 
     /// Everything waiting in our queue.
@@ -139,7 +180,10 @@ fn next_member_id(bus: &dyn SharedBus, ns: &str) -> Option<u32> {
     let key = format!("kvroute/{ns}/next_id");
     for _ in 0..CAS_RETRIES {
         let (bytes, cas) = bus.get(&key);
-        let cur = bytes.and_then(|b| b.get(..4).and_then(|s| s.try_into().ok())).map(u32::from_le_bytes).unwrap_or(0);
+        let cur = bytes
+            .and_then(|b| b.get(..4).and_then(|s| s.try_into().ok()))
+            .map(u32::from_le_bytes)
+            .unwrap_or(0);
         let next = cur.wrapping_add(1);
         if bus.set(&key, &next.to_le_bytes(), cas) {
             return Some(next);
@@ -203,7 +247,11 @@ pub mod memory {
             u32::try_from(q.len() - 1).ok()
         }
         fn resolve_queue(&self, name: &str) -> Option<u32> {
-            self.queues.borrow().iter().position(|(n, _)| n == name).and_then(|i| u32::try_from(i).ok())
+            self.queues
+                .borrow()
+                .iter()
+                .position(|(n, _)| n == name)
+                .and_then(|i| u32::try_from(i).ok())
         }
         fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
             match self.queues.borrow_mut().get_mut(queue as usize) {
@@ -215,7 +263,10 @@ pub mod memory {
             }
         }
         fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
-            self.queues.borrow_mut().get_mut(queue as usize).and_then(|(_, q)| q.pop_front())
+            self.queues
+                .borrow_mut()
+                .get_mut(queue as usize)
+                .and_then(|(_, q)| q.pop_front())
         }
     }
 }
@@ -239,27 +290,46 @@ mod tests {
             r.heartbeat(&bus, 100);
         }
         assert_eq!((a.peers(), b.peers(), c.peers()), (2, 2, 2));
-        assert_eq!(a.broadcast(&bus, b"hello"), 2);
+        assert_eq!(a.broadcast(&bus, 100, b"hello"), 2);
         assert_eq!(b.drain(&bus, 10), vec![b"hello".to_vec()]);
         assert_eq!(c.drain(&bus, 10), vec![b"hello".to_vec()]);
         assert!(a.drain(&bus, 10).is_empty(), "no message to self");
     }
 
     #[test]
+    fn a_member_that_just_joined_gets_the_next_message() {
+        let bus = MemoryBus::default();
+        let t = Timing::default();
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        assert_eq!(a.broadcast(&bus, 1, b"early"), 0);
+        let b = Replicator::join(&bus, "ns", 5, t).unwrap();
+        // No heartbeat of `a` in between: the changed record alone makes `a` see `b`.
+        assert_eq!(a.broadcast(&bus, 6, b"now"), 1);
+        assert_eq!(b.drain(&bus, 10), vec![b"now".to_vec()]);
+    }
+
+    #[test]
     fn silent_members_stop_receiving_and_are_forgotten() {
         let bus = MemoryBus::default();
-        let t = Timing { stale_ms: 1_000, forget_ms: 5_000 };
+        let t = Timing {
+            stale_ms: 1_000,
+            forget_ms: 5_000,
+        };
         let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
         let canary = Replicator::join(&bus, "ns", 0, t).unwrap();
         a.heartbeat(&bus, 500);
         assert_eq!(a.peers(), 1);
         a.heartbeat(&bus, 2_000); // the canary never beat again
         assert_eq!(a.peers(), 0);
-        assert_eq!(a.broadcast(&bus, b"x"), 0);
+        assert_eq!(a.broadcast(&bus, 2_000, b"x"), 0);
         assert!(canary.drain(&bus, 10).is_empty());
         a.heartbeat(&bus, 10_000);
         let (bytes, _) = bus.get("kvroute/ns/members");
-        assert_eq!(decode_members(&bytes.unwrap()).len(), 1, "canary dropped from the record");
+        assert_eq!(
+            decode_members(&bytes.unwrap()).len(),
+            1,
+            "canary dropped from the record"
+        );
     }
 
     #[test]

@@ -47,7 +47,10 @@ mod tests {
         for _ in 0..4000 {
             counts[a.below(4)] += 1;
         }
-        assert!(counts.iter().all(|&c| (850..1150).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (850..1150).contains(&c)),
+            "{counts:?}"
+        );
         assert_eq!(a.below(0), 0);
         let x = a.next_f64();
         assert!((0.0..1.0).contains(&x));

@@ -43,6 +43,8 @@ pub struct Decision {
     pub alternates: Vec<WorkerId>,
     /// Prompt tokens the serving (prefill-side) worker is predicted to hold.
     pub overlap_tokens: u32,
+    /// Prompt tokens the decode worker is predicted to hold (differs when disaggregated).
+    pub decode_overlap_tokens: u32,
     pub prompt_tokens: u32,
     pub exact_tokens: bool,
     pub fallback: Option<Fallback>,
@@ -94,6 +96,8 @@ pub struct Router {
     chars_per_token: f64,
     origin: u64,
     seq: u64,
+    /// Local decisions whose index insert has not run yet: (worker, prefill worker, hashes, at).
+    pending: Vec<(WorkerId, Option<WorkerId>, Vec<u64>, u64)>,
 }
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
@@ -136,6 +140,9 @@ impl Router {
                 Role::Both | Role::Decode => decode_pool.push(id),
             }
         }
+        // Size the hash table up front: growing it rehashes every entry inside one request.
+        let total: u64 = cfg.workers.iter().map(|w| u64::from(cfg.kv_blocks(w))).sum();
+        index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
         Router {
@@ -149,6 +156,7 @@ impl Router {
             chars_per_token,
             origin: (origin & 0xFFFF) << 48,
             seq: 0,
+            pending: Vec::new(),
         }
     }
 
@@ -179,6 +187,7 @@ impl Router {
 
     /// Parses the body, scores every worker and records the decision (load and index).
     pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
+        self.flush();
         let req = match parse(kind, body) {
             Ok(r) => r,
             Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
@@ -186,7 +195,10 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let hp = HashParams { block_size: self.cfg.block_size, chars_per_token: self.cfg.chars_per_token };
+        let hp = HashParams {
+            block_size: self.cfg.block_size,
+            chars_per_token: self.cfg.chars_per_token,
+        };
         let ph = prompt_hashes(&req, &hp);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
@@ -195,12 +207,24 @@ impl Router {
             (ph.est_tokens, f64::from(bs), 0.0)
         } else {
             let bytes = f64::from(ph.est_tokens) * self.cfg.chars_per_token;
-            let tokens = (bytes / self.chars_per_token).ceil().min(f64::from(u32::MAX)) as u32;
-            (tokens, f64::from(bs) * self.cfg.chars_per_token / self.chars_per_token, bytes)
+            let tokens = (bytes / self.chars_per_token)
+                .ceil()
+                .min(f64::from(u32::MAX)) as u32;
+            (
+                tokens,
+                f64::from(bs) * self.cfg.chars_per_token / self.chars_per_token,
+                bytes,
+            )
         };
-        let output = req.max_tokens.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(MAX_OUTPUT_ESTIMATE);
+        let output = req
+            .max_tokens
+            .unwrap_or(DEFAULT_OUTPUT_TOKENS)
+            .min(MAX_OUTPUT_ESTIMATE);
         let prompt_blocks = prompt_tokens.div_ceil(bs);
-        let shape = RequestShape { prompt_tokens, total_blocks: prompt_blocks + output.div_ceil(bs) };
+        let shape = RequestShape {
+            prompt_tokens,
+            total_blocks: prompt_blocks + output.div_ceil(bs),
+        };
 
         let mut held = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut held);
@@ -213,7 +237,9 @@ impl Router {
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
             Outcome::Rejected => return RouteResult::Rejected,
-            Outcome::NoCandidates => return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms),
+            Outcome::NoCandidates => {
+                return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms)
+            }
         };
         let alternates = self.alternates(&decode_cands, &shape, pick.id);
 
@@ -224,7 +250,8 @@ impl Router {
             let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
             if uncached > threshold {
                 let cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
-                if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng) {
+                if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
+                {
                     prefill = Some(pp.id);
                     serve_overlap = pp.overlap_tokens;
                 }
@@ -244,11 +271,12 @@ impl Router {
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
             hashes: ph.blocks,
         };
-        self.apply(&event, now_ms);
+        self.charge(&event);
         let hashes = match &event {
             Event::Routed { hashes, .. } => hashes.clone(),
             _ => Vec::new(),
         };
+        self.pending.push((pick.id, prefill, hashes.clone(), now_ms));
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
@@ -260,6 +288,7 @@ impl Router {
             prefill,
             alternates,
             overlap_tokens: serve_overlap,
+            decode_overlap_tokens: pick.overlap_tokens,
             prompt_tokens,
             exact_tokens: ph.exact,
             fallback: None,
@@ -299,6 +328,7 @@ impl Router {
             prefill: None,
             alternates,
             overlap_tokens: 0,
+            decode_overlap_tokens: 0,
             prompt_tokens: 0,
             exact_tokens: false,
             fallback: Some(why),
@@ -309,18 +339,33 @@ impl Router {
         })
     }
 
-    fn candidates(&self, pool: &[WorkerId], overlap: &dyn Fn(WorkerId) -> u32, now_ms: u64) -> Vec<Candidate> {
+    fn candidates(
+        &self,
+        pool: &[WorkerId],
+        overlap: &dyn Fn(WorkerId) -> u32,
+        now_ms: u64,
+    ) -> Vec<Candidate> {
         pool.iter()
             .map(|&w| Candidate {
                 id: w,
                 overlap_tokens: overlap(w),
-                kv_blocks: self.cfg.workers.get(usize::from(w)).map(|c| self.cfg.kv_blocks(c)).unwrap_or(1),
+                kv_blocks: self
+                    .cfg
+                    .workers
+                    .get(usize::from(w))
+                    .map(|c| self.cfg.kv_blocks(c))
+                    .unwrap_or(1),
                 load: self.worker_view(w, now_ms),
             })
             .collect()
     }
 
-    fn alternates(&self, cands: &[Candidate], shape: &RequestShape, chosen: WorkerId) -> Vec<WorkerId> {
+    fn alternates(
+        &self,
+        cands: &[Candidate],
+        shape: &RequestShape,
+        chosen: WorkerId,
+    ) -> Vec<WorkerId> {
         let n = self.cfg.steering.fallbacks as usize;
         if n == 0 {
             return Vec::new();
@@ -334,26 +379,53 @@ impl Router {
         rest.into_iter().take(n).map(|(_, w)| w).collect()
     }
 
+    /// The load part of a Routed event (the prefix part is deferred for local decisions).
+    fn charge(&mut self, e: &Event) {
+        if let Event::Routed { id, now_ms, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } = e {
+            self.load.add(&NewRequest {
+                id: *id,
+                worker: *worker,
+                prefill_worker: *prefill_worker,
+                blocks: hashes,
+                cached_blocks: *cached_blocks,
+                tail_blocks: *tail_blocks,
+                prefill_tokens: *prefill_tokens,
+                now_ms: *now_ms,
+            });
+        }
+    }
+
+    fn record_prefix(&mut self, worker: WorkerId, prefill: Option<WorkerId>, hashes: &[u64], at: u64) {
+        if hashes.is_empty() {
+            return;
+        }
+        self.index.insert(worker, hashes, at);
+        if let Some(p) = prefill {
+            self.index.insert(p, hashes, at);
+        }
+    }
+
+    /// Index inserts of local decisions wait here so they run after the request is on its
+    /// way (the filter calls `flush` from a callback of its own); anything routed before
+    /// that flushes first, so no decision ever misses an earlier one.
+    pub fn flush(&mut self) -> usize {
+        let jobs = core::mem::take(&mut self.pending);
+        for (w, p, hashes, at) in &jobs {
+            self.record_prefix(*w, *p, hashes, *at);
+        }
+        jobs.len()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Applies an event, local or replicated from another thread.
     pub fn apply(&mut self, e: &Event, now_ms: u64) {
         match e {
-            Event::Routed { id, now_ms: at, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } => {
-                self.load.add(&NewRequest {
-                    id: *id,
-                    worker: *worker,
-                    prefill_worker: *prefill_worker,
-                    blocks: hashes,
-                    cached_blocks: *cached_blocks,
-                    tail_blocks: *tail_blocks,
-                    prefill_tokens: *prefill_tokens,
-                    now_ms: *at,
-                });
-                if !hashes.is_empty() {
-                    self.index.insert(*worker, hashes, *at);
-                    if let Some(p) = prefill_worker {
-                        self.index.insert(*p, hashes, *at);
-                    }
-                }
+            Event::Routed { now_ms: at, worker, prefill_worker, hashes, .. } => {
+                self.charge(e);
+                self.record_prefix(*worker, *prefill_worker, hashes, *at);
             }
             Event::PrefillDone { id } => {
                 self.load.prefill_done(*id);
@@ -361,11 +433,26 @@ impl Router {
             Event::Free { id } => {
                 self.load.free(*id);
             }
-            Event::Report { worker, kv_usage, waiting, running, at_ms } => {
-                self.load.report(*worker, Report { kv_usage: *kv_usage, waiting: *waiting, running: *running, at_ms: *at_ms });
+            Event::Report {
+                worker,
+                kv_usage,
+                waiting,
+                running,
+                at_ms,
+            } => {
+                self.load.report(
+                    *worker,
+                    Report {
+                        kv_usage: *kv_usage,
+                        waiting: *waiting,
+                        running: *running,
+                        at_ms: *at_ms,
+                    },
+                );
             }
             Event::Failed { worker, at_ms } => {
-                self.load.mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
+                self.load
+                    .mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
             }
             Event::Recovered { worker } => self.load.mark_ok(*worker),
             Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
@@ -395,11 +482,18 @@ impl Router {
     /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
     /// blocks this request was predicted to add there (they were never computed).
     pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
-        let mut out = vec![Event::Failed { worker, at_ms: now_ms }];
+        self.flush();
+        let mut out = vec![Event::Failed {
+            worker,
+            at_ms: now_ms,
+        }];
         let held = (f64::from(d.overlap_tokens) / self.tokens_per_block(d)).floor() as usize;
         if let Some(new) = d.hashes.get(held..).filter(|h| !h.is_empty()) {
             for w in [Some(d.decode), d.prefill].into_iter().flatten() {
-                out.push(Event::Forget { worker: w, hashes: new.to_vec() });
+                out.push(Event::Forget {
+                    worker: w,
+                    hashes: new.to_vec(),
+                });
             }
         }
         for e in &out {
@@ -434,14 +528,22 @@ impl Router {
 
     /// Usage reported by the engine: calibrate chars per token (text prompts) and measure
     /// how good the prediction was.
-    pub fn on_usage(&mut self, d: &Decision, u: &Usage, now_ms: u64) -> (UsageOutcome, Option<Event>) {
+    pub fn on_usage(
+        &mut self,
+        d: &Decision,
+        u: &Usage,
+        now_ms: u64,
+    ) -> (UsageOutcome, Option<Event>) {
         let mut out = UsageOutcome::default();
         if u.prompt_tokens == 0 || d.fallback.is_some() {
             return (out, None);
         }
         if let Some(c) = u.cached_tokens {
             out.actual_hit = Some(f64::from(c.min(u.prompt_tokens)) / f64::from(u.prompt_tokens));
-            out.overpredicted = c.saturating_add(self.cfg.block_size) < d.overlap_tokens;
+            // Compare fractions: the token estimate of a text prompt may be off while the
+            // block prediction is right. One block of slack for the engine's partial block.
+            let predicted = d.predicted_hit() * f64::from(u.prompt_tokens);
+            out.overpredicted = f64::from(c) + f64::from(self.cfg.block_size) < predicted;
         }
         let mut ev = None;
         if !d.exact_tokens && d.prompt_bytes_est > 0.0 {
@@ -450,7 +552,9 @@ impl Router {
                 // Slow EMA: one odd request must not swing the estimate.
                 let next = 0.9 * self.chars_per_token + 0.1 * observed;
                 if (next - self.chars_per_token).abs() > 0.01 {
-                    let e = Event::Calibrate { chars_per_token: next };
+                    let e = Event::Calibrate {
+                        chars_per_token: next,
+                    };
                     self.apply(&e, now_ms);
                     ev = Some(e);
                 }
@@ -470,25 +574,41 @@ impl Router {
 
     /// Periodic housekeeping: lost requests and stale index entries.
     pub fn tick(&mut self, now_ms: u64) -> (usize, usize) {
+        self.flush();
         let lost = self.load.expire(now_ms);
         let stale = self.index.expire(now_ms, 4096);
         (lost, stale)
     }
 
     pub fn worker_name(&self, w: WorkerId) -> &str {
-        self.cfg.workers.get(usize::from(w)).map(|c| c.name.as_str()).unwrap_or("")
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .map(|c| c.name.as_str())
+            .unwrap_or("")
     }
 
     pub fn worker_cluster(&self, w: WorkerId) -> &str {
-        self.cfg.workers.get(usize::from(w)).map(|c| c.cluster_name()).unwrap_or("")
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .map(|c| c.cluster_name())
+            .unwrap_or("")
     }
 
     pub fn worker_endpoint(&self, w: WorkerId) -> Option<&str> {
-        self.cfg.workers.get(usize::from(w)).and_then(|c| c.endpoint.as_deref())
+        self.cfg
+            .workers
+            .get(usize::from(w))
+            .and_then(|c| c.endpoint.as_deref())
     }
 
     pub fn worker_by_name(&self, name: &str) -> Option<WorkerId> {
-        self.cfg.workers.iter().position(|w| w.name == name).and_then(|i| WorkerId::try_from(i).ok())
+        self.cfg
+            .workers
+            .iter()
+            .position(|w| w.name == name)
+            .and_then(|i| WorkerId::try_from(i).ok())
     }
 
     pub fn worker_count(&self) -> usize {
@@ -521,7 +641,8 @@ mod tests {
     }
 
     fn completion(prompt: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16})).unwrap()
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 16}))
+            .unwrap()
     }
 
     fn routed(r: RouteResult) -> Decision {
@@ -533,7 +654,9 @@ mod tests {
 
     fn doc(seed: u64, bytes: usize) -> String {
         let mut r = Rng::new(seed);
-        (0..bytes / 6).map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)]).collect()
+        (0..bytes / 6)
+            .map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)])
+            .collect()
     }
 
     #[test]
@@ -543,7 +666,11 @@ mod tests {
         let first = routed(r.route(ApiKind::Completions, &completion(&base), 0));
         r.on_finish(&first, 10);
         for i in 0..5 {
-            let d = routed(r.route(ApiKind::Completions, &completion(&format!("{base} question {i}")), 100 + i));
+            let d = routed(r.route(
+                ApiKind::Completions,
+                &completion(&format!("{base} question {i}")),
+                100 + i,
+            ));
             assert_eq!(d.decode, first.decode);
             assert!(d.predicted_hit() > 0.9, "{}", d.predicted_hit());
             r.on_finish(&d, 200 + i);
@@ -568,7 +695,11 @@ mod tests {
 
     #[test]
     fn llm_d_mode_steers_to_decode_and_names_prefill() {
-        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":1000,"mode":"llm-d"}"#), 1, 3);
+        let mut r = Router::new(
+            cfg(r#","disaggregation":{"threshold_tokens":1000,"mode":"llm-d"}"#),
+            1,
+            3,
+        );
         let d = routed(r.route(ApiKind::Completions, &completion(&doc(3, 40_000)), 0));
         assert!(d.prefill.is_some());
         assert_eq!(d.target, d.decode);
@@ -605,8 +736,8 @@ mod tests {
         let text = doc(5, 8000);
         let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
         let done = a.on_first_byte(&d, 1);
-        let msg = crate::events::encode(&[d.event.clone(), done]);
-        for e in crate::events::decode(&msg).unwrap() {
+        let msg = crate::events::encode(0, &[d.event.clone(), done]);
+        for e in crate::events::decode(&msg).unwrap().1 {
             b.apply(&e, 1);
         }
         assert_eq!(b.worker_view(d.decode, 2).inflight, 1);
@@ -621,7 +752,11 @@ mod tests {
     fn usage_calibrates_chars_per_token() {
         let mut r = Router::new(cfg(""), 1, 3);
         let d = routed(r.route(ApiKind::Completions, &completion(&doc(6, 4000)), 0));
-        let u = Usage { prompt_tokens: d.prompt_tokens / 2, completion_tokens: 1, cached_tokens: Some(0) };
+        let u = Usage {
+            prompt_tokens: d.prompt_tokens / 2,
+            completion_tokens: 1,
+            cached_tokens: Some(0),
+        };
         let before = r.chars_per_token();
         let (_, ev) = r.on_usage(&d, &u, 1);
         assert!(ev.is_some());

@@ -4,7 +4,8 @@
 //! Cost, in KV blocks (lower wins):
 //!   prefill = max(0, (pending_prefill_tokens + prompt_tokens) / block_size - credit * overlap)
 //!   decode  = max(active_blocks, reported_kv_usage * kv_blocks) + blocks the request adds
-//!   cost    = prefill_load_scale * prefill + decode + cache_balance * recently_written_blocks
+//!   cost    = prefill_load_scale * prefill + decode
+//!             + cache_balance * blocks the request writes * (recently written blocks / kv_blocks)
 //! A long cached prefix wins against a small load difference (affinity), and load wins
 //! against a short shared prefix because each pick is charged to the worker at once.
 
@@ -34,7 +35,7 @@ impl Default for SelectParams {
             prefill_load_scale: 1.0,
             staged_decode: false,
             temperature: 0.0,
-            cache_balance: 0.1,
+            cache_balance: 1.0,
             busy_kv_usage: 0.98,
             busy_waiting: 32,
             busy_inflight: 0,
@@ -86,16 +87,23 @@ pub enum Outcome {
 pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     let bs = f64::from(p.block_size.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
-    let prefill = ((c.load.prefill_tokens + f64::from(r.prompt_tokens)) / bs - p.overlap_credit * overlap).max(0.0);
+    let prefill = ((c.load.prefill_tokens + f64::from(r.prompt_tokens)) / bs
+        - p.overlap_credit * overlap)
+        .max(0.0);
     let reported = c
         .load
         .report
         .map(|rep| f64::from(rep.kv_usage).clamp(0.0, 1.0) * f64::from(c.kv_blocks))
         .unwrap_or(0.0);
+    let written = (f64::from(r.total_blocks) - overlap).max(0.0);
     // Staged: while its prefill is pending the request adds only blocks that already exist.
-    let new_blocks = if p.staged_decode { 0.0 } else { (f64::from(r.total_blocks) - overlap).max(0.0) };
+    let new_blocks = if p.staged_decode { 0.0 } else { written };
     let decode = (c.load.active_blocks as f64).max(reported) + new_blocks;
-    p.prefill_load_scale * prefill + decode + p.cache_balance * c.load.fresh_blocks
+    // Cache pressure: the share of this worker's cache rewritten recently. Writing many new
+    // blocks to a churning cache evicts content other requests would have hit; a mostly
+    // cached request writes little, so affinity keeps winning.
+    let pressure = c.load.fresh_blocks / f64::from(c.kv_blocks.max(1));
+    p.prefill_load_scale * prefill + decode + p.cache_balance * written * pressure
 }
 
 pub fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
@@ -135,9 +143,17 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
             best.push((i, cost(p, c, r)));
         }
     }
-    let Some(i) = choose(p.temperature, &best, rng) else { return Outcome::NoCandidates };
-    let Some(c) = cands.get(i) else { return Outcome::NoCandidates };
-    let cost = best.iter().find(|(j, _)| *j == i).map(|(_, c)| *c).unwrap_or(0.0);
+    let Some(i) = choose(p.temperature, &best, rng) else {
+        return Outcome::NoCandidates;
+    };
+    let Some(c) = cands.get(i) else {
+        return Outcome::NoCandidates;
+    };
+    let cost = best
+        .iter()
+        .find(|(j, _)| *j == i)
+        .map(|(_, c)| *c)
+        .unwrap_or(0.0);
     Outcome::Picked(Pick {
         id: c.id,
         cost,
@@ -172,7 +188,11 @@ fn choose(temperature: f64, scored: &[(usize, f64)], rng: &mut Rng) -> Option<us
     let tol = 1e-6 * min.abs().max(1.0);
     let ties = scored.iter().filter(|s| s.1 - min <= tol).count();
     let k = rng.below(ties);
-    scored.iter().filter(|s| s.1 - min <= tol).nth(k).map(|s| s.0)
+    scored
+        .iter()
+        .filter(|s| s.1 - min <= tol)
+        .nth(k)
+        .map(|s| s.0)
 }
 
 /// Tokens the chosen worker would have to compute: the disaggregation input.
@@ -188,15 +208,26 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     fn cand(id: u16, overlap: u32, load: WorkerView) -> Candidate {
-        Candidate { id, overlap_tokens: overlap * 16, kv_blocks: 1000, load }
+        Candidate {
+            id,
+            overlap_tokens: overlap * 16,
+            kv_blocks: 1000,
+            load,
+        }
     }
 
     fn idle() -> WorkerView {
-        WorkerView { healthy: true, ..WorkerView::default() }
+        WorkerView {
+            healthy: true,
+            ..WorkerView::default()
+        }
     }
 
     fn shape(tokens: u32) -> RequestShape {
-        RequestShape { prompt_tokens: tokens, total_blocks: tokens.div_ceil(16) }
+        RequestShape {
+            prompt_tokens: tokens,
+            total_blocks: tokens.div_ceil(16),
+        }
     }
 
     fn picked(o: Outcome) -> Pick {
@@ -211,30 +242,56 @@ mod tests {
         let p = SelectParams::default();
         for seed in 0..20 {
             let cands = [cand(0, 0, idle()), cand(1, 100, idle()), cand(2, 0, idle())];
-            assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(seed))).id, 1);
+            assert_eq!(
+                picked(pick(&p, &cands, &shape(1600), &mut Rng::new(seed))).id,
+                1
+            );
         }
     }
 
     #[test]
     fn affinity_beats_a_small_idle_difference() {
         let p = SelectParams::default();
-        let busyish = WorkerView { inflight: 1, active_blocks: 20, prefill_tokens: 0.0, healthy: true, ..idle() };
+        let busyish = WorkerView {
+            inflight: 1,
+            active_blocks: 20,
+            prefill_tokens: 0.0,
+            healthy: true,
+            ..idle()
+        };
         let cands = [cand(0, 0, idle()), cand(1, 90, busyish)];
-        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id, 1);
+        assert_eq!(
+            picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id,
+            1
+        );
     }
 
     #[test]
     fn load_beats_a_short_shared_prefix() {
         let p = SelectParams::default();
-        let loaded = WorkerView { inflight: 4, active_blocks: 400, prefill_tokens: 3000.0, healthy: true, ..idle() };
+        let loaded = WorkerView {
+            inflight: 4,
+            active_blocks: 400,
+            prefill_tokens: 3000.0,
+            healthy: true,
+            ..idle()
+        };
         let cands = [cand(0, 2, loaded), cand(1, 0, idle())];
-        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id, 1);
+        assert_eq!(
+            picked(pick(&p, &cands, &shape(1600), &mut Rng::new(3))).id,
+            1
+        );
     }
 
     #[test]
     fn ties_are_broken_randomly_across_workers() {
         let p = SelectParams::default();
-        let cands = [cand(0, 0, idle()), cand(1, 0, idle()), cand(2, 0, idle()), cand(3, 0, idle())];
+        let cands = [
+            cand(0, 0, idle()),
+            cand(1, 0, idle()),
+            cand(2, 0, idle()),
+            cand(3, 0, idle()),
+        ];
         let mut rng = Rng::new(11);
         let mut seen = [0u32; 4];
         for _ in 0..400 {
@@ -255,10 +312,14 @@ mod tests {
         let mut rng = Rng::new(5);
         let mut per = [0u32; 4];
         // 2048 prompt tokens plus 256 expected output tokens.
-        let r = RequestShape { prompt_tokens: 2048, total_blocks: 128 + 16 };
+        let r = RequestShape {
+            prompt_tokens: 2048,
+            total_blocks: 128 + 16,
+        };
         for id in 0..32u64 {
-            let cands: Vec<Candidate> =
-                (0..4u16).map(|w| cand(w, overlap[usize::from(w)], t.view(w, 0, 0))).collect();
+            let cands: Vec<Candidate> = (0..4u16)
+                .map(|w| cand(w, overlap[usize::from(w)], t.view(w, 0, 0)))
+                .collect();
             let pk = picked(pick(&p, &cands, &r, &mut rng));
             per[usize::from(pk.id)] += 1;
             overlap[usize::from(pk.id)] = 128;
@@ -274,9 +335,18 @@ mod tests {
                 now_ms: 0,
             });
         }
-        assert!(per.iter().all(|&n| n > 0), "every worker takes part: {per:?}");
-        assert!(per.iter().all(|&n| n < 24), "no worker takes almost all: {per:?}");
-        assert!(per[0] >= per[1], "the warm worker takes at least its share: {per:?}");
+        assert!(
+            per.iter().all(|&n| n > 0),
+            "every worker takes part: {per:?}"
+        );
+        assert!(
+            per.iter().all(|&n| n < 24),
+            "no worker takes almost all: {per:?}"
+        );
+        assert!(
+            per[0] >= per[1],
+            "the warm worker takes at least its share: {per:?}"
+        );
     }
 
     /// Sequential requests sharing only a short prefix: nothing is in flight, so without a
@@ -289,10 +359,13 @@ mod tests {
         let mut per = [0u32; 4];
         for id in 0..40u64 {
             // Every prompt: 1 shared block then 99 of its own; worker 0 held the shared block.
-            let blocks: Vec<u64> = core::iter::once(7).chain((0..99).map(|i| id * 1000 + i)).collect();
+            let blocks: Vec<u64> = core::iter::once(7)
+                .chain((0..99).map(|i| id * 1000 + i))
+                .collect();
             let now = id * 1000;
-            let cands: Vec<Candidate> =
-                (0..4u16).map(|w| cand(w, u32::from(w == 0), t.view(w, now, 0))).collect();
+            let cands: Vec<Candidate> = (0..4u16)
+                .map(|w| cand(w, u32::from(w == 0), t.view(w, now, 0)))
+                .collect();
             let pk = picked(pick(&p, &cands, &shape(1600), &mut rng));
             per[usize::from(pk.id)] += 1;
             t.add(&NewRequest {
@@ -312,10 +385,21 @@ mod tests {
 
     #[test]
     fn unhealthy_and_busy_workers_are_avoided_but_fail_open() {
-        let p = SelectParams { busy_waiting: 4, ..SelectParams::default() };
-        let sick = WorkerView { healthy: false, ..idle() };
+        let p = SelectParams {
+            busy_waiting: 4,
+            ..SelectParams::default()
+        };
+        let sick = WorkerView {
+            healthy: false,
+            ..idle()
+        };
         let busy = WorkerView {
-            report: Some(Report { kv_usage: 0.1, waiting: 9, running: None, at_ms: 0 }),
+            report: Some(Report {
+                kv_usage: 0.1,
+                waiting: 9,
+                running: None,
+                at_ms: 0,
+            }),
             ..idle()
         };
         let mut rng = Rng::new(1);
@@ -329,8 +413,14 @@ mod tests {
         assert_eq!(pk.id, 0);
         let all_busy = [cand(0, 100, busy)];
         assert!(picked(pick(&p, &all_busy, &shape(1600), &mut rng)).all_busy);
-        let shed = SelectParams { reject_when_all_busy: true, ..p };
-        assert_eq!(pick(&shed, &all_busy, &shape(1600), &mut rng), Outcome::Rejected);
+        let shed = SelectParams {
+            reject_when_all_busy: true,
+            ..p
+        };
+        assert_eq!(
+            pick(&shed, &all_busy, &shape(1600), &mut rng),
+            Outcome::Rejected
+        );
         assert_eq!(pick(&p, &[], &shape(1), &mut rng), Outcome::NoCandidates);
     }
 
@@ -338,18 +428,32 @@ mod tests {
     fn reported_kv_usage_raises_cost() {
         let p = SelectParams::default();
         let reported = WorkerView {
-            report: Some(Report { kv_usage: 0.9, waiting: 0, running: None, at_ms: 0 }),
+            report: Some(Report {
+                kv_usage: 0.9,
+                waiting: 0,
+                running: None,
+                at_ms: 0,
+            }),
             ..idle()
         };
         // Another gateway filled worker 0; our own table thinks it is idle.
         let cands = [cand(0, 10, reported), cand(1, 0, idle())];
-        assert_eq!(picked(pick(&p, &cands, &shape(1600), &mut Rng::new(2))).id, 1);
+        assert_eq!(
+            picked(pick(&p, &cands, &shape(1600), &mut Rng::new(2))).id,
+            1
+        );
     }
 
     #[test]
     fn temperature_samples_but_prefers_cheap() {
-        let p = SelectParams { temperature: 0.5, ..SelectParams::default() };
-        let loaded = WorkerView { active_blocks: 500, ..idle() };
+        let p = SelectParams {
+            temperature: 0.5,
+            ..SelectParams::default()
+        };
+        let loaded = WorkerView {
+            active_blocks: 500,
+            ..idle()
+        };
         let cands = [cand(0, 0, idle()), cand(1, 0, loaded)];
         let mut rng = Rng::new(4);
         let mut cheap = 0;
@@ -364,12 +468,20 @@ mod tests {
 
     #[test]
     fn staged_decode_still_prefers_the_cached_worker() {
-        let p = SelectParams { staged_decode: true, cache_balance: 0.0, ..SelectParams::default() };
+        let p = SelectParams {
+            staged_decode: true,
+            cache_balance: 0.0,
+            ..SelectParams::default()
+        };
         let r = shape(1600);
         let cold = cost(&p, &cand(0, 0, idle()), &r);
         let warm = cost(&p, &cand(1, 100, idle()), &r);
         assert!(warm < cold);
-        let q = SelectParams { staged_decode: false, cache_balance: 0.0, ..SelectParams::default() };
+        let q = SelectParams {
+            staged_decode: false,
+            cache_balance: 0.0,
+            ..SelectParams::default()
+        };
         assert!(cost(&q, &cand(1, 100, idle()), &r) < cost(&q, &cand(0, 0, idle()), &r));
     }
 

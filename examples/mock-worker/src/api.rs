@@ -19,14 +19,26 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        ApiError { status: 400, message: message.into(), kind: "invalid_request_error", param, code: None }
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
     }
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
     }
     pub fn not_found(message: impl Into<String>, code: &'static str) -> Self {
-        ApiError { status: 404, message: message.into(), kind: "invalid_request_error", param: None, code: Some(code) }
+        ApiError {
+            status: 404,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some(code),
+        }
     }
     pub fn body(&self) -> String {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
@@ -62,7 +74,11 @@ pub const DEFAULT_MAX_TOKENS: usize = 16;
 ///
 /// Each earlier turn renders to the same bytes whatever follows it, so appending a turn keeps
 /// the token prefix, which is what makes multi-turn chats hit the prefix cache.
-pub fn render_chat(messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool) -> Result<String, ApiError> {
+pub fn render_chat(
+    messages: &[Value],
+    tools: Option<&Value>,
+    add_generation_prompt: bool,
+) -> Result<String, ApiError> {
     let mut out = String::new();
     if let Some(tools) = tools {
         if !tools.is_null() {
@@ -75,7 +91,9 @@ pub fn render_chat(messages: &[Value], tools: Option<&Value>, add_generation_pro
         }
     }
     for m in messages {
-        let obj = m.as_object().ok_or_else(|| ApiError::bad("each message must be an object", Some("messages")))?;
+        let obj = m
+            .as_object()
+            .ok_or_else(|| ApiError::bad("each message must be an object", Some("messages")))?;
         let role = obj
             .get("role")
             .and_then(Value::as_str)
@@ -91,13 +109,21 @@ pub fn render_chat(messages: &[Value], tools: Option<&Value>, add_generation_pro
                     // Non-text parts (images, audio) have no text to cache here; skip them.
                     if p.get("type").and_then(Value::as_str) == Some("text") {
                         let t = p.get("text").and_then(Value::as_str).ok_or_else(|| {
-                            ApiError::bad("a text content part needs a string 'text'", Some("messages"))
+                            ApiError::bad(
+                                "a text content part needs a string 'text'",
+                                Some("messages"),
+                            )
                         })?;
                         out.push_str(t);
                     }
                 }
             }
-            Some(_) => return Err(ApiError::bad("message 'content' must be a string or an array of parts", Some("messages"))),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "message 'content' must be a string or an array of parts",
+                    Some("messages"),
+                ))
+            }
         }
         if let Some(tc) = obj.get("tool_calls").filter(|v| !v.is_null()) {
             out.push_str("<|tool_calls|>");
@@ -112,13 +138,21 @@ pub fn render_chat(messages: &[Value], tools: Option<&Value>, add_generation_pro
 }
 
 fn token_list(v: &[Value]) -> Option<Vec<u32>> {
-    v.iter().map(|x| x.as_u64().filter(|&n| n <= u32::MAX as u64).map(|n| n as u32)).collect()
+    v.iter()
+        .map(|x| {
+            x.as_u64()
+                .filter(|&n| n <= u32::MAX as u64)
+                .map(|n| n as u32)
+        })
+        .collect()
 }
 
 /// Tokens of a completions `prompt`. For a list of prompts only the first is served: the mock
 /// answers a batch of one (one `choices` entry), and says so in its README.
 fn completion_tokens(prompt: &Value) -> Result<Vec<u32>, ApiError> {
-    let wrong = || ApiError::bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", Some("prompt"));
+    let wrong = || {
+        ApiError::bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", Some("prompt"))
+    };
     match prompt {
         Value::String(s) => Ok(tokenizer::encode(s)),
         Value::Array(items) => match items.first() {
@@ -144,21 +178,29 @@ fn completion_tokens(prompt: &Value) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-fn opt_uint(obj: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<u64>, ApiError> {
+fn opt_uint(
+    obj: &serde_json::Map<String, Value>,
+    key: &'static str,
+) -> Result<Option<u64>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("'{key}' must be a non-negative integer"), Some(key))),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::bad(format!("'{key}' must be a non-negative integer"), Some(key))
+        }),
     }
 }
 
-fn opt_bool(obj: &serde_json::Map<String, Value>, key: &'static str) -> Result<Option<bool>, ApiError> {
+fn opt_bool(
+    obj: &serde_json::Map<String, Value>,
+    key: &'static str,
+) -> Result<Option<bool>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(ApiError::bad(format!("'{key}' must be a boolean"), Some(key))),
+        Some(_) => Err(ApiError::bad(
+            format!("'{key}' must be a boolean"),
+            Some(key),
+        )),
     }
 }
 
@@ -166,11 +208,17 @@ fn opt_bool(obj: &serde_json::Map<String, Value>, key: &'static str) -> Result<O
 /// `messages` is a chat.
 pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::bad("request body is empty; expected a JSON object", None).with_code("invalid_json"));
+        return Err(
+            ApiError::bad("request body is empty; expected a JSON object", None)
+                .with_code("invalid_json"),
+        );
     }
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None).with_code("invalid_json"))?;
-    let obj = v.as_object().ok_or_else(|| ApiError::bad("request body must be a JSON object", None))?;
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad(format!("invalid JSON body: {e}"), None).with_code("invalid_json")
+    })?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ApiError::bad("request body must be a JSON object", None))?;
     let is_chat = chat.unwrap_or_else(|| obj.contains_key("messages"));
     let model = match obj.get("model") {
         None | Some(Value::Null) => None,
@@ -179,28 +227,50 @@ pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
     };
     let tokens = if is_chat {
         let msgs = match obj.get("messages") {
-            None | Some(Value::Null) => return Err(ApiError::bad("'messages' is required", Some("messages"))),
+            None | Some(Value::Null) => {
+                return Err(ApiError::bad("'messages' is required", Some("messages")))
+            }
             Some(Value::Array(a)) if !a.is_empty() => a,
-            Some(Value::Array(_)) => return Err(ApiError::bad("'messages' must not be empty", Some("messages"))),
-            Some(_) => return Err(ApiError::bad("'messages' must be an array", Some("messages"))),
+            Some(Value::Array(_)) => {
+                return Err(ApiError::bad(
+                    "'messages' must not be empty",
+                    Some("messages"),
+                ))
+            }
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "'messages' must be an array",
+                    Some("messages"),
+                ))
+            }
         };
         let gen = opt_bool(obj, "add_generation_prompt")?.unwrap_or(true);
         tokenizer::encode(&render_chat(msgs, obj.get("tools"), gen)?)
     } else {
         match obj.get("prompt") {
-            None | Some(Value::Null) => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
+            None | Some(Value::Null) => {
+                return Err(ApiError::bad("'prompt' is required", Some("prompt")))
+            }
             Some(p) => completion_tokens(p)?,
         }
     };
     if tokens.is_empty() {
-        return Err(ApiError::bad("the prompt is empty", Some(if is_chat { "messages" } else { "prompt" })));
+        return Err(ApiError::bad(
+            "the prompt is empty",
+            Some(if is_chat { "messages" } else { "prompt" }),
+        ));
     }
     let mt = match opt_uint(obj, "max_completion_tokens")? {
         Some(n) => Some(n),
         None => opt_uint(obj, "max_tokens")?,
     };
     let max_tokens = match mt {
-        Some(0) => return Err(ApiError::bad("'max_tokens' must be at least 1", Some("max_tokens"))),
+        Some(0) => {
+            return Err(ApiError::bad(
+                "'max_tokens' must be at least 1",
+                Some("max_tokens"),
+            ))
+        }
         Some(n) => n.min(usize::MAX as u64 / 2) as usize,
         None => DEFAULT_MAX_TOKENS,
     };
@@ -213,15 +283,29 @@ pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => opt_bool(o, "include_usage")?.unwrap_or(false),
-        Some(_) => return Err(ApiError::bad("'stream_options' must be an object", Some("stream_options"))),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'stream_options' must be an object",
+                Some("stream_options"),
+            ))
+        }
     };
     let cache_salt = match obj.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(ApiError::bad("'cache_salt' must be a string", Some("cache_salt"))),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'cache_salt' must be a string",
+                Some("cache_salt"),
+            ))
+        }
     };
     Ok(Parsed {
-        kind: if is_chat { Kind::Chat } else { Kind::Completion },
+        kind: if is_chat {
+            Kind::Chat
+        } else {
+            Kind::Completion
+        },
         model,
         tokens,
         max_tokens,
@@ -237,14 +321,23 @@ mod tests {
     use super::*;
 
     fn chat(msgs: Value) -> Vec<u32> {
-        parse(json!({"model": "m", "messages": msgs}).to_string().as_bytes(), Some(true)).unwrap().tokens
+        parse(
+            json!({"model": "m", "messages": msgs})
+                .to_string()
+                .as_bytes(),
+            Some(true),
+        )
+        .unwrap()
+        .tokens
     }
 
     #[test]
     fn appending_a_turn_keeps_the_token_prefix() {
         let one = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there, how are you?"}]);
         let mut two = one.clone();
-        two.as_array_mut().unwrap().push(json!({"role": "assistant", "content": " the of and"}));
+        two.as_array_mut()
+            .unwrap()
+            .push(json!({"role": "assistant", "content": " the of and"}));
         two.as_array_mut().unwrap().push(json!({"role": "user", "content": [{"type": "text", "text": "More please."}, {"type": "image_url", "image_url": {}}]}));
         let a = chat(one);
         let b = chat(two);
@@ -271,7 +364,10 @@ mod tests {
         let p = |v: Value| parse(json!({"prompt": v}).to_string().as_bytes(), Some(false));
         assert_eq!(p(json!([1, 2, 3])).unwrap().tokens, vec![1, 2, 3]);
         assert_eq!(p(json!([[4, 5], [6]])).unwrap().tokens, vec![4, 5]);
-        assert_eq!(p(json!(["a b", "c"])).unwrap().tokens, tokenizer::encode("a b"));
+        assert_eq!(
+            p(json!(["a b", "c"])).unwrap().tokens,
+            tokenizer::encode("a b")
+        );
         assert!(p(json!([])).is_err());
         assert!(p(json!([1, "x"])).is_err());
         assert!(p(json!(5)).is_err());

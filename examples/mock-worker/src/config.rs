@@ -117,7 +117,10 @@ impl Config {
                 _ => (arg.clone(), None),
             };
             let mut val = || -> Result<String, String> {
-                inline.clone().or_else(|| it.next()).ok_or_else(|| format!("{flag} needs a value"))
+                inline
+                    .clone()
+                    .or_else(|| it.next())
+                    .ok_or_else(|| format!("{flag} needs a value"))
             };
             match flag.as_str() {
                 "-h" | "--help" => return Ok(None),
@@ -138,10 +141,16 @@ impl Config {
                         "both" => Role::Both,
                         "prefill" => Role::Prefill,
                         "decode" => Role::Decode,
-                        other => return Err(format!("--role: expected both|prefill|decode, got {other:?}")),
+                        other => {
+                            return Err(format!(
+                                "--role: expected both|prefill|decode, got {other:?}"
+                            ))
+                        }
                     }
                 }
-                "--decode-endpoint-header" => c.decode_endpoint_header = val()?.to_ascii_lowercase(),
+                "--decode-endpoint-header" => {
+                    c.decode_endpoint_header = val()?.to_ascii_lowercase()
+                }
                 "--kv-bytes-per-token" => c.kv_bytes_per_token = num(&flag, &val()?)?,
                 "--kv-transfer-bandwidth" => c.kv_transfer_bandwidth = num(&flag, &val()?)?,
                 _ => return Err(format!("unknown flag {arg:?} (see --help)")),
@@ -172,7 +181,10 @@ impl Config {
             return Err("--speedup must be a positive number".into());
         }
         if !(self.kv_transfer_bandwidth > 0.0) || self.kv_bytes_per_token < 0.0 {
-            return Err("--kv-transfer-bandwidth must be positive and --kv-bytes-per-token non-negative".into());
+            return Err(
+                "--kv-transfer-bandwidth must be positive and --kv-bytes-per-token non-negative"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -197,8 +209,13 @@ mod tests {
 
     #[test]
     fn flags() {
-        let c = parse("--port 9 --speedup=50 --role prefill --kv-blocks 8").unwrap().unwrap();
-        assert_eq!((c.port, c.speedup, c.role, c.kv_blocks), (9, 50.0, Role::Prefill, 8));
+        let c = parse("--port 9 --speedup=50 --role prefill --kv-blocks 8")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (c.port, c.speedup, c.role, c.kv_blocks),
+            (9, 50.0, Role::Prefill, 8)
+        );
         assert!(parse("--help").unwrap().is_none());
         assert!(parse("--nope").is_err());
         assert!(parse("--port").is_err());

@@ -20,8 +20,9 @@ use crate::tokenizer;
 /// the generated text re-tokenizes to the ids the engine cached (a client that sends the
 /// answer back in the next chat turn gets cache hits on it, as with a real engine).
 pub const WORDS: [&str; 32] = [
-    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "it", "by", "at", "from",
-    "his", "an", "were", "are", "which", "this", "be", "or", "has", "had", "not", "but", "one", "its", "new", "after",
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "it", "by",
+    "at", "from", "his", "an", "were", "are", "which", "this", "be", "or", "has", "had", "not",
+    "but", "one", "its", "new", "after",
 ];
 
 pub fn output_text(i: usize) -> &'static str {
@@ -31,7 +32,11 @@ pub fn output_text(i: usize) -> &'static str {
 
 fn output_token(i: usize) -> u32 {
     static IDS: OnceLock<Vec<u32>> = OnceLock::new();
-    IDS.get_or_init(|| (0..WORDS.len()).map(|i| tokenizer::piece_id(output_text(i))).collect())[i % WORDS.len()]
+    IDS.get_or_init(|| {
+        (0..WORDS.len())
+            .map(|i| tokenizer::piece_id(output_text(i)))
+            .collect()
+    })[i % WORDS.len()]
 }
 
 /// Dynamo mocker: milliseconds of one pass with `t` new prefill tokens at KV usage `p`.
@@ -42,7 +47,11 @@ pub fn pass_ms(t: usize, decoding: bool, p: f64) -> f64 {
     } else {
         0.0
     };
-    let decode = if decoding { (-25.74 * p * p + 54.01 * p + 5.74).max(1.0) } else { 0.0 };
+    let decode = if decoding {
+        (-25.74 * p * p + 54.01 * p + 5.74).max(1.0)
+    } else {
+        0.0
+    };
     prefill + decode
 }
 
@@ -168,7 +177,11 @@ impl EngineState {
     }
 
     pub fn load(&self) -> Load {
-        Load { running: self.running.len(), waiting: self.waiting.len(), kv_usage: self.cache.usage() }
+        Load {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_usage: self.cache.usage(),
+        }
     }
 
     /// Prompt tokens that would be served from cache now: full blocks only, and never the
@@ -182,7 +195,10 @@ impl EngineState {
     pub fn probe(&self, tokens: &[u32], salt: Option<&str>) -> (usize, usize) {
         let mut hashes = Vec::new();
         kv::extend_hashes(&mut hashes, kv::chain_root(salt), tokens, self.block_size);
-        (tokens.len(), self.hit_blocks(&hashes, tokens.len()) * self.block_size)
+        (
+            tokens.len(),
+            self.hit_blocks(&hashes, tokens.len()) * self.block_size,
+        )
     }
 
     pub fn submit(&mut self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
@@ -274,7 +290,12 @@ impl EngineState {
         }
         self.metrics.preemptions += preempted as u64;
 
-        let mut pass = Pass { prefill_tokens: 0, decode_seqs: 0, usage: self.cache.usage(), preempted };
+        let mut pass = Pass {
+            prefill_tokens: 0,
+            decode_seqs: 0,
+            usage: self.cache.usage(),
+            preempted,
+        };
         for s in &self.running {
             if s.scheduled == 0 {
                 continue;
@@ -354,7 +375,12 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(cfg: Config, name: String) -> Arc<Self> {
-        Arc::new(Shared { state: Mutex::new(EngineState::new(&cfg)), cfg, name, wake: Notify::new() })
+        Arc::new(Shared {
+            state: Mutex::new(EngineState::new(&cfg)),
+            cfg,
+            name,
+            wake: Notify::new(),
+        })
     }
 
     pub fn submit(&self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
@@ -422,11 +448,22 @@ mod tests {
     use super::*;
 
     fn cfg(kv_blocks: usize, budget: usize, seqs: usize) -> Config {
-        Config { kv_blocks, max_batched_tokens: budget, max_num_seqs: seqs, block_size: 4, ..Config::default() }
+        Config {
+            kv_blocks,
+            max_batched_tokens: budget,
+            max_num_seqs: seqs,
+            block_size: 4,
+            ..Config::default()
+        }
     }
 
     fn req(seed: u32, len: usize, max_tokens: usize) -> NewRequest {
-        NewRequest { tokens: (0..len as u32).map(|i| seed * 100_000 + i).collect(), max_tokens, salt: None, transferred: 0 }
+        NewRequest {
+            tokens: (0..len as u32).map(|i| seed * 100_000 + i).collect(),
+            max_tokens,
+            salt: None,
+            transferred: 0,
+        }
     }
 
     /// Runs passes until idle; returns the passes.
@@ -468,7 +505,9 @@ mod tests {
     #[test]
     fn token_budget_bounds_every_pass_and_prefill_is_chunked() {
         let mut st = EngineState::new(&cfg(1000, 64, 8));
-        let mut rxs: Vec<_> = (0..4).map(|i| st.submit(req(i, 100, 5), Instant::now())).collect();
+        let mut rxs: Vec<_> = (0..4)
+            .map(|i| st.submit(req(i, 100, 5), Instant::now()))
+            .collect();
         let passes = drain(&mut st);
         for p in &passes {
             assert!(p.prefill_tokens + p.decode_seqs <= 64, "{p:?}");
@@ -477,14 +516,23 @@ mod tests {
         assert!(passes.iter().filter(|p| p.prefill_tokens > 0).count() >= 7);
         assert_eq!(passes.iter().map(|p| p.prefill_tokens).sum::<usize>(), 400);
         for rx in &mut rxs {
-            assert_eq!(done(rx), Usage { prompt_tokens: 100, completion_tokens: 5, cached_tokens: 0 });
+            assert_eq!(
+                done(rx),
+                Usage {
+                    prompt_tokens: 100,
+                    completion_tokens: 5,
+                    cached_tokens: 0
+                }
+            );
         }
     }
 
     #[test]
     fn decode_one_token_per_running_request_per_pass() {
         let mut st = EngineState::new(&cfg(1000, 1000, 8));
-        let mut rxs: Vec<_> = (0..3).map(|i| st.submit(req(i, 10, 4), Instant::now())).collect();
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| st.submit(req(i, 10, 4), Instant::now()))
+            .collect();
         let p = st.schedule().unwrap();
         assert_eq!((p.prefill_tokens, p.decode_seqs), (30, 0));
         st.commit(Instant::now());
@@ -509,13 +557,21 @@ mod tests {
         st.commit(Instant::now());
         drain(&mut st);
         assert_eq!(done(&mut b).cached_tokens, 48);
-        assert_eq!((st.metrics.prefix_cache_queries, st.metrics.prefix_cache_hits), (100, 48));
+        assert_eq!(
+            (
+                st.metrics.prefix_cache_queries,
+                st.metrics.prefix_cache_hits
+            ),
+            (100, 48)
+        );
     }
 
     #[test]
     fn max_num_seqs_limits_admission() {
         let mut st = EngineState::new(&cfg(1000, 1000, 2));
-        let _rx: Vec<_> = (0..5).map(|i| st.submit(req(i, 8, 3), Instant::now())).collect();
+        let _rx: Vec<_> = (0..5)
+            .map(|i| st.submit(req(i, 8, 3), Instant::now()))
+            .collect();
         st.schedule();
         assert_eq!(st.load().running, 2);
         assert_eq!(st.load().waiting, 3);
@@ -525,7 +581,9 @@ mod tests {
     fn out_of_kv_preempts_newest_and_everything_finishes() {
         // 12 blocks of 4 tokens; each request grows to 8 + 12 = 20 tokens = 5 blocks.
         let mut st = EngineState::new(&cfg(12, 1000, 8));
-        let mut rxs: Vec<_> = (0..3).map(|i| st.submit(req(i, 8, 12), Instant::now())).collect();
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| st.submit(req(i, 8, 12), Instant::now()))
+            .collect();
         let mut passes = vec![];
         let mut max_usage: f64 = 0.0;
         let mut first_preempt_running = None;
@@ -557,7 +615,9 @@ mod tests {
         st.schedule();
         st.commit(Instant::now());
         let held: Vec<BlockId> = st.running[0].blocks.clone();
-        let mut small: Vec<_> = (2..6).map(|i| st.submit(req(i, 4, 1), Instant::now())).collect();
+        let mut small: Vec<_> = (2..6)
+            .map(|i| st.submit(req(i, 4, 1), Instant::now()))
+            .collect();
         for _ in 0..20 {
             if st.schedule().is_some() {
                 st.commit(Instant::now());

@@ -46,7 +46,10 @@ pub fn extend_hashes(hashes: &mut Vec<u64>, root: u64, tokens: &[u32], block_siz
     while hashes.len() < full {
         let i = hashes.len();
         let parent = if i == 0 { root } else { hashes[i - 1] };
-        hashes.push(block_hash(parent, &tokens[i * block_size..(i + 1) * block_size]));
+        hashes.push(block_hash(
+            parent,
+            &tokens[i * block_size..(i + 1) * block_size],
+        ));
     }
 }
 
@@ -74,7 +77,16 @@ impl KvCache {
     pub fn new(capacity: usize) -> Self {
         assert!(capacity > 0 && capacity < NONE as usize);
         let mut c = KvCache {
-            blocks: vec![Block { refs: 0, hash: None, prev: NONE, next: NONE, in_free: false }; capacity],
+            blocks: vec![
+                Block {
+                    refs: 0,
+                    hash: None,
+                    prev: NONE,
+                    next: NONE,
+                    in_free: false
+                };
+                capacity
+            ],
             map: HashMap::with_capacity(capacity),
             head: NONE,
             tail: NONE,
@@ -152,13 +164,19 @@ impl KvCache {
     /// Number of leading `hashes` present in the cache. Read-only: probing never changes
     /// eviction order.
     pub fn lookup(&self, hashes: &[u64]) -> usize {
-        hashes.iter().take_while(|h| self.map.contains_key(h)).count()
+        hashes
+            .iter()
+            .take_while(|h| self.map.contains_key(h))
+            .count()
     }
 
     /// Of the first `n` hit blocks, how many sit in the free queue (taking them reduces what
     /// can be allocated).
     pub fn free_among_hits(&self, hashes: &[u64]) -> usize {
-        hashes.iter().filter(|h| self.blocks[self.map[h] as usize].refs == 0).count()
+        hashes
+            .iter()
+            .filter(|h| self.blocks[self.map[h] as usize].refs == 0)
+            .count()
     }
 
     /// Takes a reference on each cached block of `hashes` (all must be present) and appends

@@ -15,9 +15,14 @@ fn main() {
     // One thread by default: the engine is one loop, and a single-threaded runtime is the
     // cheapest way to serve hundreds of streams from one core.
     let rt = if cfg.threads == 1 {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
     } else {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(cfg.threads).enable_all().build()
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.threads)
+            .enable_all()
+            .build()
     }
     .expect("tokio runtime");
     rt.block_on(async move {

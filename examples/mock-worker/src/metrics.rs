@@ -9,8 +9,8 @@ use crate::engine::Load;
 
 /// vLLM's TTFT buckets, in seconds.
 const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
 #[derive(Debug, Default, Clone)]
@@ -58,11 +58,26 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 
 pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     let mut o = String::with_capacity(4096);
-    let l = format!("model_name=\"{}\"", info.model.replace('\\', "\\\\").replace('"', "\\\""));
+    let l = format!(
+        "model_name=\"{}\"",
+        info.model.replace('\\', "\\\\").replace('"', "\\\"")
+    );
     let gauges = [
-        ("vllm:num_requests_running", "Number of requests in model execution batches.", load.running as f64),
-        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", load.waiting as f64),
-        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", load.kv_usage),
+        (
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            load.running as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            load.waiting as f64,
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            load.kv_usage,
+        ),
     ];
     for (name, help, v) in gauges {
         family(&mut o, name, "gauge", help);
@@ -71,8 +86,16 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     // vLLM registers these through prometheus_client, which exposes counters with a `_total`
     // suffix; the bare names are what dashboards and our docs call them. Both are served.
     let counters = [
-        ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m.prefix_cache_queries),
-        ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m.prefix_cache_hits),
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in tokens.",
+            m.prefix_cache_queries,
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in tokens.",
+            m.prefix_cache_hits,
+        ),
     ];
     for (name, help, v) in counters {
         family(&mut o, name, "counter", help);
@@ -82,12 +105,42 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
         let _ = writeln!(o, "{total}{{{l}}} {v}");
     }
     let totals = [
-        ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", m.prompt_tokens, ""),
-        ("vllm:generation_tokens_total", "Number of generation tokens processed.", m.generation_tokens, ""),
-        ("vllm:request_success_total", "Count of successfully processed requests.", m.request_success, ",finished_reason=\"length\""),
-        ("vllm:num_preemptions_total", "Cumulative number of preemptions.", m.preemptions, ""),
-        ("mock:requests_aborted_total", "Requests dropped because the client went away.", m.aborted, ""),
-        ("mock:engine_passes_total", "Scheduler passes run.", m.passes, ""),
+        (
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            m.prompt_tokens,
+            "",
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            m.generation_tokens,
+            "",
+        ),
+        (
+            "vllm:request_success_total",
+            "Count of successfully processed requests.",
+            m.request_success,
+            ",finished_reason=\"length\"",
+        ),
+        (
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemptions.",
+            m.preemptions,
+            "",
+        ),
+        (
+            "mock:requests_aborted_total",
+            "Requests dropped because the client went away.",
+            m.aborted,
+            "",
+        ),
+        (
+            "mock:engine_passes_total",
+            "Scheduler passes run.",
+            m.passes,
+            "",
+        ),
     ];
     for (name, help, v, extra) in totals {
         family(&mut o, name, "counter", help);
@@ -101,14 +154,24 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
         family(&mut o, name, "counter", help);
         let _ = writeln!(o, "{name}{{{l}}} {v}");
     }
-    family(&mut o, "vllm:cache_config_info", "gauge", "Information of the KV cache config.");
+    family(
+        &mut o,
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the KV cache config.",
+    );
     let _ = writeln!(
         o,
         "vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\",{l}}} 1",
         info.block_size, info.kv_blocks
     );
     let h = "vllm:time_to_first_token_seconds";
-    family(&mut o, h, "histogram", "Histogram of time to first token in seconds.");
+    family(
+        &mut o,
+        h,
+        "histogram",
+        "Histogram of time to first token in seconds.",
+    );
     let mut cum = 0;
     for (b, c) in TTFT_BUCKETS.iter().zip(m.ttft.counts) {
         cum += c;
@@ -117,7 +180,12 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     let _ = writeln!(o, "{h}_bucket{{{l},le=\"+Inf\"}} {}", m.ttft.count);
     let _ = writeln!(o, "{h}_sum{{{l}}} {}", m.ttft.sum);
     let _ = writeln!(o, "{h}_count{{{l}}} {}", m.ttft.count);
-    family(&mut o, "mock:worker_info", "gauge", "The worker id sent in x-worker-id.");
+    family(
+        &mut o,
+        "mock:worker_info",
+        "gauge",
+        "The worker id sent in x-worker-id.",
+    );
     let _ = writeln!(o, "mock:worker_info{{worker_id=\"{}\",{l}}} 1", info.name);
     o
 }
@@ -134,8 +202,17 @@ mod tests {
         m.prefix_cache_hits = 7;
         let s = render(
             &m,
-            Load { running: 2, waiting: 3, kv_usage: 0.25 },
-            &Info { model: "m", block_size: 16, kv_blocks: 16384, name: "w" },
+            Load {
+                running: 2,
+                waiting: 3,
+                kv_usage: 0.25,
+            },
+            &Info {
+                model: "m",
+                block_size: 16,
+                kv_blocks: 16384,
+                name: "w",
+            },
         );
         for needle in [
             "vllm:num_requests_running{model_name=\"m\"} 2",

@@ -66,15 +66,25 @@ pub async fn start(cfg: Config) -> std::io::Result<Handle> {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     let client = Client::builder(TokioExecutor::new()).build(http);
-    let ctx = Arc::new(Ctx { shared: shared.clone(), client, warned_no_decode: AtomicBool::new(false), seq: AtomicU64::new(0) });
+    let ctx = Arc::new(Ctx {
+        shared: shared.clone(),
+        client,
+        warned_no_decode: AtomicBool::new(false),
+        seq: AtomicU64::new(0),
+    });
     // The engine loop gets its own OS thread (with its own timer runtime) so that hundreds of
     // busy connections cannot delay a pass: the kernel wakes the mostly-sleeping engine thread
     // promptly, and tokens that pile up meanwhile leave in one write per connection.
     let engine_shared = shared.clone();
-    std::thread::Builder::new().name(format!("engine-{}", addr.port())).spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("engine runtime");
-        rt.block_on(engine::run(engine_shared));
-    })?;
+    std::thread::Builder::new()
+        .name(format!("engine-{}", addr.port()))
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .expect("engine runtime");
+            rt.block_on(engine::run(engine_shared));
+        })?;
     tokio::spawn(accept_loop(listener, ctx));
     Ok(Handle { addr, name, shared })
 }
@@ -94,7 +104,9 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| handle(req, ctx.clone()));
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
         });
     }
 }
@@ -103,7 +115,12 @@ fn full(b: impl Into<Bytes>) -> RespBody {
     Full::new(b.into()).map_err(|e| match e {}).boxed_unsync()
 }
 
-fn respond(status: StatusCode, ctype: &'static str, body: impl Into<Bytes>, worker: &str) -> Response<RespBody> {
+fn respond(
+    status: StatusCode,
+    ctype: &'static str,
+    body: impl Into<Bytes>,
+    worker: &str,
+) -> Response<RespBody> {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
     let h = r.headers_mut();
@@ -115,7 +132,12 @@ fn respond(status: StatusCode, ctype: &'static str, body: impl Into<Bytes>, work
 }
 
 fn error(e: &ApiError, worker: &str) -> Response<RespBody> {
-    respond(StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST), "application/json", e.body(), worker)
+    respond(
+        StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
+        "application/json",
+        e.body(),
+        worker,
+    )
 }
 
 /// The ORCA report in vLLM's format (`TEXT` or `JSON`), if the request asked for one.
@@ -138,7 +160,9 @@ pub fn orca_value(format: Option<&HeaderValue>, load: Load) -> Option<HeaderValu
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBody>, Infallible> {
@@ -158,7 +182,12 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
             let cfg = &ctx.shared.cfg;
             let text = {
                 let st = ctx.shared.state.lock().unwrap();
-                let info = metrics::Info { model: &cfg.model, block_size: cfg.block_size, kv_blocks: cfg.kv_blocks, name };
+                let info = metrics::Info {
+                    model: &cfg.model,
+                    block_size: cfg.block_size,
+                    kv_blocks: cfg.kv_blocks,
+                    name,
+                };
                 metrics::render(&st.metrics, st.load(), &info)
             };
             respond(StatusCode::OK, "text/plain; version=0.0.4", text, name)
@@ -166,11 +195,25 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
         (Method::POST, "/v1/completions") => inference(req, ctx.clone(), Kind::Completion).await,
         (Method::POST, "/v1/chat/completions") => inference(req, ctx.clone(), Kind::Chat).await,
         (Method::POST, "/v1/cache/probe") => probe(req, &ctx).await,
-        (_, "/health" | "/v1/models" | "/metrics" | "/v1/completions" | "/v1/chat/completions" | "/v1/cache/probe") => {
-            let e = ApiError { status: 405, ..ApiError::bad(format!("method {method} not allowed on {path}"), None) };
+        (
+            _,
+            "/health"
+            | "/v1/models"
+            | "/metrics"
+            | "/v1/completions"
+            | "/v1/chat/completions"
+            | "/v1/cache/probe",
+        ) => {
+            let e = ApiError {
+                status: 405,
+                ..ApiError::bad(format!("method {method} not allowed on {path}"), None)
+            };
             error(&e, name)
         }
-        _ => error(&ApiError::not_found(format!("no route for {method} {path}"), "not_found"), name),
+        _ => error(
+            &ApiError::not_found(format!("no route for {method} {path}"), "not_found"),
+            name,
+        ),
     };
     Ok(resp)
 }
@@ -178,23 +221,40 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
 async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     match Limited::new(body, BODY_LIMIT).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ApiError { status: 413, ..ApiError::bad(format!("request body over {BODY_LIMIT} bytes"), None) })
-        }
-        Err(e) => Err(ApiError::bad(format!("could not read the request body: {e}"), None)),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError {
+            status: 413,
+            ..ApiError::bad(format!("request body over {BODY_LIMIT} bytes"), None)
+        }),
+        Err(e) => Err(ApiError::bad(
+            format!("could not read the request body: {e}"),
+            None,
+        )),
     }
 }
 
 async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     let name = ctx.shared.name.as_str();
-    let parsed = match read_body(req.into_body()).await.and_then(|b| api::parse(&b, None)) {
+    let parsed = match read_body(req.into_body())
+        .await
+        .and_then(|b| api::parse(&b, None))
+    {
         Ok(p) => p,
         Err(e) => return error(&e, name),
     };
     let bs = ctx.shared.cfg.block_size;
     let mut hashes = Vec::with_capacity(parsed.tokens.len() / bs);
-    kv::extend_hashes(&mut hashes, kv::chain_root(parsed.cache_salt.as_deref()), &parsed.tokens, bs);
-    let cached = ctx.shared.state.lock().unwrap().probe_hashes(&hashes, parsed.tokens.len());
+    kv::extend_hashes(
+        &mut hashes,
+        kv::chain_root(parsed.cache_salt.as_deref()),
+        &parsed.tokens,
+        bs,
+    );
+    let cached = ctx
+        .shared
+        .state
+        .lock()
+        .unwrap()
+        .probe_hashes(&hashes, parsed.tokens.len());
     let body = json!({"prompt_tokens": parsed.tokens.len(), "cached_tokens": cached});
     respond(StatusCode::OK, "application/json", body.to_string(), name)
 }
@@ -203,7 +263,10 @@ async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
 fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
     if let Some(m) = &p.model {
         if m != &cfg.model && !cfg.accept_any_model {
-            return Err(ApiError::not_found(format!("The model `{m}` does not exist."), "model_not_found"));
+            return Err(ApiError::not_found(
+                format!("The model `{m}` does not exist."),
+                "model_not_found",
+            ));
         }
     }
     let len = p.tokens.len();
@@ -229,7 +292,10 @@ fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
     let cap = cfg.kv_blocks * cfg.block_size;
     if len + p.max_tokens > cap {
         return Err(ApiError::bad(
-            format!("prompt plus max_tokens ({}) exceeds the KV cache capacity of {cap} tokens", len + p.max_tokens),
+            format!(
+                "prompt plus max_tokens ({}) exceeds the KV cache capacity of {cap} tokens",
+                len + p.max_tokens
+            ),
             Some("max_tokens"),
         )
         .with_code("context_length_exceeded"));
@@ -248,11 +314,15 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let cfg = &shared.cfg;
     let orca_fmt = req.headers().get(ORCA_FORMAT_HEADER).cloned();
     let decode_ep = header_str(&req, &cfg.decode_endpoint_header).map(str::to_string);
-    let transferred = match header_str(&req, KV_TRANSFER_HEADER).map(|v| v.trim().parse::<usize>()) {
+    let transferred = match header_str(&req, KV_TRANSFER_HEADER).map(|v| v.trim().parse::<usize>())
+    {
         None => 0,
         Some(Ok(n)) => n,
         Some(Err(_)) => {
-            return error(&ApiError::bad(format!("{KV_TRANSFER_HEADER} must be a token count"), None), name);
+            return error(
+                &ApiError::bad(format!("{KV_TRANSFER_HEADER} must be a token count"), None),
+                name,
+            );
         }
     };
     let path = req.uri().path().to_string();
@@ -270,7 +340,10 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
 
     if cfg.role == Role::Prefill {
         match decode_ep {
-            Some(ep) => return prefill_handoff(ctx.clone(), parsed, body, path, ep, orca_fmt, arrival).await,
+            Some(ep) => {
+                return prefill_handoff(ctx.clone(), parsed, body, path, ep, orca_fmt, arrival)
+                    .await
+            }
             None => {
                 if !ctx.warned_no_decode.swap(true, Ordering::Relaxed) {
                     eprintln!(
@@ -284,7 +357,12 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
 
     let prompt_len = parsed.tokens.len();
     let rx = shared.submit(
-        NewRequest { tokens: parsed.tokens, max_tokens: parsed.max_tokens, salt: parsed.cache_salt, transferred },
+        NewRequest {
+            tokens: parsed.tokens,
+            max_tokens: parsed.max_tokens,
+            salt: parsed.cache_salt,
+            transferred,
+        },
         arrival,
     );
     let n = ctx.seq.fetch_add(1, Ordering::Relaxed);
@@ -296,7 +374,14 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if parsed.stream {
         // Streaming headers go out now, as vLLM's do, so the load report is taken now.
         let orca = orca_value(orca_fmt.as_ref(), shared.load());
-        let sse = SseBody::new(rx, &id, &model, kind, parsed.max_tokens, parsed.include_usage);
+        let sse = SseBody::new(
+            rx,
+            &id,
+            &model,
+            kind,
+            parsed.max_tokens,
+            parsed.include_usage,
+        );
         let mut r = Response::new(sse.boxed_unsync());
         let h = r.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -312,15 +397,25 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let usage = match wait_done(rx).await {
         Some(u) => u,
         None => {
-            let e = ApiError { status: 500, kind: "internal_error", ..ApiError::bad("request was dropped by the engine", None) };
+            let e = ApiError {
+                status: 500,
+                kind: "internal_error",
+                ..ApiError::bad("request was dropped by the engine", None)
+            };
             return error(&e, name);
         }
     };
     debug_assert_eq!(usage.prompt_tokens, prompt_len);
-    let text: String = (0..usage.completion_tokens).map(engine::output_text).collect();
+    let text: String = (0..usage.completion_tokens)
+        .map(engine::output_text)
+        .collect();
     let choice = match kind {
-        Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"}),
-        Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}),
+        Kind::Chat => {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length"})
+        }
+        Kind::Completion => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+        }
     };
     let body = json!({
         "id": id,
@@ -370,15 +465,26 @@ async fn prefill_handoff(
     let name = shared.name.as_str();
     let cfg = &shared.cfg;
     let rx = shared.submit(
-        NewRequest { tokens: parsed.tokens, max_tokens: 1, salt: parsed.cache_salt, transferred: 0 },
+        NewRequest {
+            tokens: parsed.tokens,
+            max_tokens: 1,
+            salt: parsed.cache_salt,
+            transferred: 0,
+        },
         arrival,
     );
     let Some(usage) = wait_done(rx).await else {
-        let e = ApiError { status: 500, kind: "internal_error", ..ApiError::bad("prefill was dropped by the engine", None) };
+        let e = ApiError {
+            status: 500,
+            kind: "internal_error",
+            ..ApiError::bad("prefill was dropped by the engine", None)
+        };
         return error(&e, name);
     };
     let own_orca = orca_value(orca_fmt.as_ref(), shared.load());
-    let secs = usage.prompt_tokens as f64 * cfg.kv_bytes_per_token / cfg.kv_transfer_bandwidth / cfg.speedup;
+    let secs = usage.prompt_tokens as f64 * cfg.kv_bytes_per_token
+        / cfg.kv_transfer_bandwidth
+        / cfg.speedup;
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
 
     let uri = format!("http://{decode}{path}");
@@ -393,7 +499,10 @@ async fn prefill_handoff(
     let out = match out.body(Full::new(body)) {
         Ok(r) => r,
         Err(e) => {
-            return error(&ApiError::bad(format!("bad decode endpoint {decode:?}: {e}"), None), name);
+            return error(
+                &ApiError::bad(format!("bad decode endpoint {decode:?}: {e}"), None),
+                name,
+            );
         }
     };
     let resp = match ctx.client.request(out).await {
@@ -418,7 +527,10 @@ async fn prefill_handoff(
     if let Ok(v) = HeaderValue::from_str(name) {
         h.insert(PREFILL_WORKER_ID_HEADER, v);
     }
-    h.insert(PREFILL_CACHED_HEADER, HeaderValue::from(usage.cached_tokens));
+    h.insert(
+        PREFILL_CACHED_HEADER,
+        HeaderValue::from(usage.cached_tokens),
+    );
     // The relay is chunk by chunk: hyper hands frames through as they arrive.
     let body = incoming.map_err(|e| Box::new(e) as BoxError).boxed_unsync();
     Response::from_parts(parts, body)
@@ -435,15 +547,33 @@ struct SseBody {
 }
 
 impl SseBody {
-    fn new(rx: mpsc::UnboundedReceiver<Event>, id: &str, model: &str, kind: Kind, max_tokens: usize, include_usage: bool) -> Self {
-        let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+    fn new(
+        rx: mpsc::UnboundedReceiver<Event>,
+        id: &str,
+        model: &str,
+        kind: Kind,
+        max_tokens: usize,
+        include_usage: bool,
+    ) -> Self {
+        let object = if kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let head = format!(
             "{{\"id\":{},\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[",
             json!(id),
             unix_now(),
             json!(model)
         );
-        SseBody { rx, head, kind, max_tokens, include_usage, finished: false }
+        SseBody {
+            rx,
+            head,
+            kind,
+            max_tokens,
+            include_usage,
+            finished: false,
+        }
     }
 
     fn render(&mut self, e: Event) -> String {
@@ -458,7 +588,11 @@ impl SseBody {
 
     fn token_chunk(&self, i: usize) -> String {
         let word = engine::output_text(i);
-        let finish = if i + 1 >= self.max_tokens { "\"length\"" } else { "null" };
+        let finish = if i + 1 >= self.max_tokens {
+            "\"length\""
+        } else {
+            "null"
+        };
         let mut s = String::with_capacity(self.head.len() + 160);
         if i == 0 && self.kind == Kind::Chat {
             s.push_str("data: ");
@@ -502,7 +636,10 @@ impl Body for SseBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if self.finished {
             return Poll::Ready(None);
         }

@@ -29,7 +29,10 @@ fn special_len(s: &str) -> Option<usize> {
     let rest = s.strip_prefix("<|")?;
     for (i, c) in rest.char_indices().take(32) {
         if c == '|' {
-            return rest[i..].starts_with("|>").then_some(2 + i + 2).filter(|_| i > 0);
+            return rest[i..]
+                .starts_with("|>")
+                .then_some(2 + i + 2)
+                .filter(|_| i > 0);
         }
         if !(c.is_ascii_alphanumeric() || c == '_') {
             return None;
@@ -64,7 +67,11 @@ pub fn split<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
                 end = j + ch.len_utf8();
             }
             let next_is_word = rest[end..].chars().next().is_some_and(is_word_char);
-            let run_end = if next_is_word && rest[..end].ends_with(' ') { end - 1 } else { end };
+            let run_end = if next_is_word && rest[..end].ends_with(' ') {
+                end - 1
+            } else {
+                end
+            };
             if run_end > 0 {
                 emit(&rest[..run_end]);
                 i += run_end;
@@ -72,7 +79,11 @@ pub fn split<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
             }
             // Only the single space before a word is left: fall through to the word path.
         }
-        let (lead, body) = if rest.starts_with(' ') { (1, &rest[1..]) } else { (0, rest) };
+        let (lead, body) = if rest.starts_with(' ') {
+            (1, &rest[1..])
+        } else {
+            (0, rest)
+        };
         if body.chars().next().is_some_and(is_word_char) {
             let mut end = 0;
             for (j, ch) in body.char_indices() {
@@ -138,7 +149,10 @@ mod tests {
         for text in [ENGLISH, NEWS] {
             let n = encode(text).len();
             let ratio = text.chars().count() as f64 / n as f64;
-            assert!((4.0..=5.0).contains(&ratio), "ratio {ratio:.2} ({n} tokens)");
+            assert!(
+                (4.0..=5.0).contains(&ratio),
+                "ratio {ratio:.2} ({n} tokens)"
+            );
         }
     }
 
@@ -157,7 +171,10 @@ mod tests {
     fn specials_and_spaces() {
         let mut pieces = vec![];
         split("<|assistant|>\n the understanding.", |p| pieces.push(p));
-        assert_eq!(pieces, ["<|assistant|>", "\n", " the", " unders", "tanding", "."]);
+        assert_eq!(
+            pieces,
+            ["<|assistant|>", "\n", " the", " unders", "tanding", "."]
+        );
     }
 
     #[test]

@@ -32,7 +32,9 @@ async fn repeated_prompt_hits_cache_and_lowers_ttft() {
     let n = ua["prompt_tokens"].as_u64().unwrap();
     assert!(n > 6000, "prompt_tokens {n}");
     assert_eq!(ua["prompt_tokens_details"]["cached_tokens"], 0);
-    let cached = ub["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let cached = ub["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
     assert!(cached > 0 && cached >= n - 16, "cached {cached} of {n}");
     assert!(
         b.first_frame + Duration::from_millis(20) < a.first_frame,
@@ -46,17 +48,40 @@ async fn repeated_prompt_hits_cache_and_lowers_ttft() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_turn_chat_reuses_earlier_turns() {
     let w = worker("--speedup 50").await;
-    let mut messages = vec![json!({"role": "system", "content": text(2, 300)}), json!({"role": "user", "content": "Summarise."})];
-    let r1 = post(w.addr, "/v1/chat/completions", &json!({"messages": messages, "max_tokens": 40}).to_string(), &[]).await;
+    let mut messages = vec![
+        json!({"role": "system", "content": text(2, 300)}),
+        json!({"role": "user", "content": "Summarise."}),
+    ];
+    let r1 = post(
+        w.addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 40}).to_string(),
+        &[],
+    )
+    .await;
     let j1 = r1.json();
-    let answer = j1["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let answer = j1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let p1 = j1["usage"]["prompt_tokens"].as_u64().unwrap();
     messages.push(json!({"role": "assistant", "content": answer}));
     messages.push(json!({"role": "user", "content": [{"type": "text", "text": "Shorter."}]}));
-    let r2 = post(w.addr, "/v1/chat/completions", &json!({"messages": messages, "max_tokens": 4}).to_string(), &[]).await;
-    let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let r2 = post(
+        w.addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 4}).to_string(),
+        &[],
+    )
+    .await;
+    let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
     // The first turn's prompt and most of the generated answer are served from cache.
-    assert!(cached >= (p1 + 40) / 16 * 16 - 16, "cached {cached}, first prompt {p1}");
+    assert!(
+        cached >= (p1 + 40) / 16 * 16 - 16,
+        "cached {cached}, first prompt {p1}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,7 +92,15 @@ async fn burst_beyond_max_num_seqs_queues_and_raises_ttft() {
     let mut tasks = vec![];
     for i in 0..16 {
         let addr = w.addr;
-        tasks.push(tokio::spawn(async move { post(addr, "/v1/completions", &stream_body(&text(100 + i, 60), 50), &[]).await }));
+        tasks.push(tokio::spawn(async move {
+            post(
+                addr,
+                "/v1/completions",
+                &stream_body(&text(100 + i, 60), 50),
+                &[],
+            )
+            .await
+        }));
     }
     let mut ttfts = vec![];
     for t in tasks {
@@ -78,7 +111,10 @@ async fn burst_beyond_max_num_seqs_queues_and_raises_ttft() {
     ttfts.sort();
     // Four run at once; the last ones wait for earlier waves of 50 decode passes each.
     assert!(ttfts[15] > ttfts[3] * 2, "ttfts {ttfts:?}");
-    assert!(ttfts[15] - ttfts[0] > Duration::from_millis(2 * 50 * 574 / 1000), "ttfts {ttfts:?}");
+    assert!(
+        ttfts[15] - ttfts[0] > Duration::from_millis(2 * 50 * 574 / 1000),
+        "ttfts {ttfts:?}"
+    );
     let m = get(w.addr, "/metrics").await.body;
     assert_eq!(metric(&m, "vllm:request_success_total"), 16.0);
     assert_eq!(metric(&m, "vllm:time_to_first_token_seconds_count"), 16.0);
@@ -92,7 +128,15 @@ async fn orca_header_and_metrics_agree_with_state() {
     let mut hold = vec![];
     for i in 0..10 {
         let addr = w.addr;
-        hold.push(tokio::spawn(async move { post(addr, "/v1/completions", &stream_body(&text(200 + i, 50), 100_000), &[]).await }));
+        hold.push(tokio::spawn(async move {
+            post(
+                addr,
+                "/v1/completions",
+                &stream_body(&text(200 + i, 50), 100_000),
+                &[],
+            )
+            .await
+        }));
     }
     // Let the first pass admit four.
     for _ in 0..100 {
@@ -104,21 +148,34 @@ async fn orca_header_and_metrics_agree_with_state() {
     }
     let addr = w.addr;
     let probe_req = tokio::spawn(async move {
-        post(addr, "/v1/completions", &stream_body("one more", 100_000), &[("endpoint-load-metrics-format", "TEXT")]).await
+        post(
+            addr,
+            "/v1/completions",
+            &stream_body("one more", 100_000),
+            &[("endpoint-load-metrics-format", "TEXT")],
+        )
+        .await
     });
     // The streaming response's headers arrive at once; the request is still queued, so read
     // the header through a second, short-lived request instead of waiting for the stream.
     let json_req = {
         let addr = w.addr;
         tokio::spawn(async move {
-            let c = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build_http::<http_body_util::Full<bytes::Bytes>>();
+            let c =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .build_http::<http_body_util::Full<bytes::Bytes>>();
             let req = hyper::Request::post(format!("http://{addr}/v1/completions"))
                 .header("endpoint-load-metrics-format", "JSON")
-                .body(http_body_util::Full::new(bytes::Bytes::from(stream_body("and another", 100_000))))
+                .body(http_body_util::Full::new(bytes::Bytes::from(stream_body(
+                    "and another",
+                    100_000,
+                ))))
                 .unwrap();
             let r = c.request(req).await.unwrap();
-            r.headers()["endpoint-load-metrics"].to_str().unwrap().to_string()
+            r.headers()["endpoint-load-metrics"]
+                .to_str()
+                .unwrap()
+                .to_string()
         })
     };
     let orca_json = json_req.await.unwrap();
@@ -127,13 +184,22 @@ async fn orca_header_and_metrics_agree_with_state() {
     let nm = &v["named_metrics"];
     let waiting = metric(&m, "vllm:num_requests_waiting");
     assert!(waiting >= 7.0, "metrics waiting {waiting}");
-    assert_eq!(nm["num_requests_running"].as_f64().unwrap(), metric(&m, "vllm:num_requests_running"));
+    assert_eq!(
+        nm["num_requests_running"].as_f64().unwrap(),
+        metric(&m, "vllm:num_requests_running")
+    );
     assert_eq!(metric(&m, "vllm:num_requests_running"), 4.0);
     // The JSON request was the 12th or the 11th to queue, depending on the TEXT one.
     let w_json = nm["num_requests_waiting"].as_f64().unwrap();
-    assert!(w_json == waiting || w_json == waiting - 1.0, "header {w_json} vs metrics {waiting}");
+    assert!(
+        w_json == waiting || w_json == waiting - 1.0,
+        "header {w_json} vs metrics {waiting}"
+    );
     let kv = nm["kv_cache_usage_perc"].as_f64().unwrap();
-    assert!(kv > 0.0 && (kv - metric(&m, "vllm:kv_cache_usage_perc")).abs() < 0.001, "kv {kv}");
+    assert!(
+        kv > 0.0 && (kv - metric(&m, "vllm:kv_cache_usage_perc")).abs() < 0.001,
+        "kv {kv}"
+    );
     assert!(m.contains("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"16384\""));
     probe_req.abort();
     for h in hold {
@@ -144,12 +210,24 @@ async fn orca_header_and_metrics_agree_with_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orca_text_format_on_a_finished_request() {
     let w = worker("--speedup 50").await;
-    let r = post(w.addr, "/v1/completions", r#"{"prompt":"hello there","max_tokens":2}"#, &[("endpoint-load-metrics-format", "TEXT")]).await;
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"prompt":"hello there","max_tokens":2}"#,
+        &[("endpoint-load-metrics-format", "TEXT")],
+    )
+    .await;
     assert_eq!(
         r.header("endpoint-load-metrics"),
         Some("TEXT named_metrics.kv_cache_usage_perc=0,named_metrics.num_requests_waiting=0,named_metrics.num_requests_running=0")
     );
-    let plain = post(w.addr, "/v1/completions", r#"{"prompt":"hello there","max_tokens":2}"#, &[]).await;
+    let plain = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"prompt":"hello there","max_tokens":2}"#,
+        &[],
+    )
+    .await;
     assert!(plain.header("endpoint-load-metrics").is_none());
 }
 
@@ -161,36 +239,123 @@ async fn malformed_requests_get_400_with_error_object() {
         ("/v1/completions", "".into(), 400, None),
         ("/v1/completions", "{not json".into(), 400, None),
         ("/v1/completions", "[1,2]".into(), 400, None),
-        ("/v1/completions", r#"{"model":"mock-model"}"#.into(), 400, Some("prompt")),
-        ("/v1/completions", r#"{"prompt":42}"#.into(), 400, Some("prompt")),
-        ("/v1/completions", r#"{"prompt":[1,"a"]}"#.into(), 400, Some("prompt")),
-        ("/v1/completions", r#"{"prompt":"hi","max_tokens":"5"}"#.into(), 400, Some("max_tokens")),
-        ("/v1/completions", r#"{"prompt":"hi","max_tokens":-1}"#.into(), 400, Some("max_tokens")),
-        ("/v1/completions", r#"{"prompt":"hi","stream":"yes"}"#.into(), 400, Some("stream")),
-        ("/v1/completions", json!({"prompt": long}).to_string(), 400, Some("prompt")),
-        ("/v1/completions", r#"{"prompt":"hi","max_tokens":500}"#.into(), 400, Some("prompt")),
-        ("/v1/chat/completions", r#"{"prompt":"hi"}"#.into(), 400, Some("messages")),
-        ("/v1/chat/completions", r#"{"messages":"hi"}"#.into(), 400, Some("messages")),
-        ("/v1/chat/completions", r#"{"messages":[{"content":"x"}]}"#.into(), 400, Some("messages")),
-        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":5}]}"#.into(), 400, Some("messages")),
-        ("/v1/completions", r#"{"model":"other","prompt":"hi"}"#.into(), 404, None),
+        (
+            "/v1/completions",
+            r#"{"model":"mock-model"}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":42}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":[1,"a"]}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":"5"}"#.into(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":-1}"#.into(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","stream":"yes"}"#.into(),
+            400,
+            Some("stream"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":500}"#.into(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"prompt":"hi"}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":"hi"}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"content":"x"}]}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":5}]}"#.into(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"other","prompt":"hi"}"#.into(),
+            404,
+            None,
+        ),
         ("/v1/nothing", r#"{"prompt":"hi"}"#.into(), 404, None),
     ];
     for (path, body, status, param) in cases {
         let r = post(w.addr, path, &body, &[]).await;
         assert_eq!(r.status, status, "{path} {body:?}: {}", r.body);
         let e = &r.json()["error"];
-        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}"
+        );
         assert_eq!(e["type"], "invalid_request_error");
         if let Some(p) = param {
             assert_eq!(e["param"], p, "{body}");
         }
     }
-    assert_eq!(post(w.addr, "/v1/completions", r#"{"model":"other","prompt":"hi"}"#, &[]).await.json()["error"]["code"], "model_not_found");
+    assert_eq!(
+        post(
+            w.addr,
+            "/v1/completions",
+            r#"{"model":"other","prompt":"hi"}"#,
+            &[]
+        )
+        .await
+        .json()["error"]["code"],
+        "model_not_found"
+    );
     // The worker is still fine afterwards.
     assert_eq!(get(w.addr, "/health").await.status, 200);
-    assert_eq!(get(w.addr, "/v1/models").await.json()["data"][0]["id"], "mock-model");
-    let ok = post(w.addr, "/v1/completions", r#"{"prompt":[[5,6,7]],"max_tokens":3}"#, &[]).await;
+    assert_eq!(
+        get(w.addr, "/v1/models").await.json()["data"][0]["id"],
+        "mock-model"
+    );
+    let ok = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"prompt":[[5,6,7]],"max_tokens":3}"#,
+        &[],
+    )
+    .await;
     assert_eq!(ok.json()["usage"]["prompt_tokens"], 3);
 }
 
@@ -198,12 +363,25 @@ async fn malformed_requests_get_400_with_error_object() {
 async fn streaming_is_valid_sse_with_usage_last() {
     // Slow enough (decode passes of ~1.1 ms) that tokens visibly arrive one by one.
     let w = worker("--speedup 5").await;
-    let r = post(w.addr, "/v1/completions", &stream_body("Tell me a story about caches.", 7), &[]).await;
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &stream_body("Tell me a story about caches.", 7),
+        &[],
+    )
+    .await;
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let (chunks, done) = r.sse();
     assert!(done);
-    assert!(r.frames.len() > 1, "tokens stream as they are produced, got {} frame(s)", r.frames.len());
-    let texts: Vec<&Value> = chunks.iter().filter(|c| !c["choices"].as_array().unwrap().is_empty()).collect();
+    assert!(
+        r.frames.len() > 1,
+        "tokens stream as they are produced, got {} frame(s)",
+        r.frames.len()
+    );
+    let texts: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| !c["choices"].as_array().unwrap().is_empty())
+        .collect();
     assert_eq!(texts.len(), 7);
     assert_eq!(texts[6]["choices"][0]["finish_reason"], "length");
     assert!(texts[0]["choices"][0]["finish_reason"].is_null());
@@ -221,9 +399,15 @@ async fn streaming_is_valid_sse_with_usage_last() {
     let (chunks, done) = chat.sse();
     assert!(done);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let content: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
     assert_eq!(content, " the of and");
-    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "no usage without include_usage");
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "no usage without include_usage"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +427,14 @@ async fn probe_reports_hits_without_changing_state() {
     assert_eq!(p1["cached_tokens"].as_u64().unwrap(), (n - 1) / 16 * 16);
     assert_eq!(before, after, "probing changed engine state");
     // A chat body is detected by `messages`.
-    let chat = post(w.addr, "/v1/cache/probe", r#"{"messages":[{"role":"user","content":"x"}]}"#, &[]).await.json();
+    let chat = post(
+        w.addr,
+        "/v1/cache/probe",
+        r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        &[],
+    )
+    .await
+    .json();
     assert_eq!(chat["cached_tokens"], 0);
     assert!(chat["prompt_tokens"].as_u64().unwrap() > 3);
 }
@@ -258,42 +449,90 @@ async fn prefill_hands_off_to_decode_worker() {
         p.addr,
         "/v1/completions",
         &stream_body(&prompt, 12),
-        &[("x-kvroute-decode-endpoint", &ep), ("endpoint-load-metrics-format", "TEXT")],
+        &[
+            ("x-kvroute-decode-endpoint", &ep),
+            ("endpoint-load-metrics-format", "TEXT"),
+        ],
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.header("x-worker-id"), Some("dec"));
     assert_eq!(r.header("x-prefill-worker-id"), Some("pre"));
     assert_eq!(r.header("x-prefill-cached-tokens"), Some("0"));
-    assert!(r.header("endpoint-load-metrics").unwrap().starts_with("TEXT "));
-    assert!(r.header("x-decode-endpoint-load-metrics").unwrap().starts_with("TEXT "));
+    assert!(r
+        .header("endpoint-load-metrics")
+        .unwrap()
+        .starts_with("TEXT "));
+    assert!(r
+        .header("x-decode-endpoint-load-metrics")
+        .unwrap()
+        .starts_with("TEXT "));
     let (chunks, done) = r.sse();
     assert!(done);
-    assert!(r.frames.len() > 1, "relayed chunk by chunk: {} frame(s)", r.frames.len());
-    assert_eq!(chunks.iter().filter(|c| !c["choices"].as_array().unwrap().is_empty()).count(), 12);
+    assert!(
+        r.frames.len() > 1,
+        "relayed chunk by chunk: {} frame(s)",
+        r.frames.len()
+    );
+    assert_eq!(
+        chunks
+            .iter()
+            .filter(|c| !c["choices"].as_array().unwrap().is_empty())
+            .count(),
+        12
+    );
     let usage = &chunks.last().unwrap()["usage"];
     let n = usage["prompt_tokens"].as_u64().unwrap();
     // Everything but the last prompt token arrived as KV; the engine recomputes that one.
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), n - 1);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        n - 1
+    );
     let dm = get(d.addr, "/metrics").await.body;
     assert_eq!(metric(&dm, "vllm:generation_tokens_total"), 12.0);
-    assert_eq!(metric(&dm, "vllm:prefix_cache_hits"), 0.0, "transferred KV is not a local hit");
+    assert_eq!(
+        metric(&dm, "vllm:prefix_cache_hits"),
+        0.0,
+        "transferred KV is not a local hit"
+    );
     let pm = get(p.addr, "/metrics").await.body;
     assert_eq!(metric(&pm, "vllm:prompt_tokens_total"), n as f64);
     // Both now hold the prompt: a probe on each shows it cached.
     let probe = json!({"prompt": prompt}).to_string();
     for a in [d.addr, p.addr] {
-        assert_eq!(post(a, "/v1/cache/probe", &probe, &[]).await.json()["cached_tokens"].as_u64().unwrap(), (n - 1) / 16 * 16);
+        assert_eq!(
+            post(a, "/v1/cache/probe", &probe, &[]).await.json()["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+            (n - 1) / 16 * 16
+        );
     }
     // Non-streaming works through the relay too; without the header the prefill worker serves.
     let body = json!({"prompt": prompt, "max_tokens": 5}).to_string();
-    let r = post(p.addr, "/v1/completions", &body, &[("x-kvroute-decode-endpoint", &ep)]).await;
+    let r = post(
+        p.addr,
+        "/v1/completions",
+        &body,
+        &[("x-kvroute-decode-endpoint", &ep)],
+    )
+    .await;
     assert_eq!(r.json()["usage"]["completion_tokens"], 5);
-    assert_eq!(r.header("x-prefill-cached-tokens").unwrap(), ((n - 1) / 16 * 16).to_string());
+    assert_eq!(
+        r.header("x-prefill-cached-tokens").unwrap(),
+        ((n - 1) / 16 * 16).to_string()
+    );
     let local = post(p.addr, "/v1/completions", &body, &[]).await;
     assert_eq!(local.header("x-worker-id"), Some("pre"));
     assert_eq!(local.json()["usage"]["completion_tokens"], 5);
     // A dead decode worker is a 502, not a hang.
-    let dead = post(p.addr, "/v1/completions", &body, &[("x-kvroute-decode-endpoint", "127.0.0.1:1")]).await;
+    let dead = post(
+        p.addr,
+        "/v1/completions",
+        &body,
+        &[("x-kvroute-decode-endpoint", "127.0.0.1:1")],
+    )
+    .await;
     assert_eq!(dead.status, 502);
 }

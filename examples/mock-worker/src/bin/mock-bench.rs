@@ -67,12 +67,22 @@ fn parse_args() -> Result<Args, String> {
         match f.as_str() {
             "--target" => a.target = v.parse().map_err(|_| format!("{f}: bad value {v:?}"))?,
             "--streams" => {
-                a.streams = v.split(',').map(|s| s.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|_| format!("{f}: bad list"))?
+                a.streams = v
+                    .split(',')
+                    .map(|s| s.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| format!("{f}: bad list"))?
             }
             "--max-tokens" => a.max_tokens = v.parse().map_err(bad)?,
             "--prompt-words" => a.prompt_words = v.parse().map_err(bad)?,
-            "--warmup" => a.warmup = Duration::from_secs_f64(v.parse().map_err(|_| format!("{f}: bad value"))?),
-            "--window" => a.window = Duration::from_secs_f64(v.parse().map_err(|_| format!("{f}: bad value"))?),
+            "--warmup" => {
+                a.warmup =
+                    Duration::from_secs_f64(v.parse().map_err(|_| format!("{f}: bad value"))?)
+            }
+            "--window" => {
+                a.window =
+                    Duration::from_secs_f64(v.parse().map_err(|_| format!("{f}: bad value"))?)
+            }
             "--pid" => a.pid = Some(v.parse().map_err(bad)?),
             _ => return Err(format!("unknown flag {f}")),
         }
@@ -83,7 +93,9 @@ fn parse_args() -> Result<Args, String> {
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
 async fn get_text(c: &HttpClient, target: SocketAddr, path: &str) -> String {
-    let req = Request::get(format!("http://{target}{path}")).body(Full::new(Bytes::new())).unwrap();
+    let req = Request::get(format!("http://{target}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
     let r = c.request(req).await.expect("worker unreachable");
     String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).into_owned()
 }
@@ -110,7 +122,12 @@ fn cpu_secs(pid: u32) -> f64 {
 
 fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 #[derive(Default)]
@@ -199,14 +216,33 @@ async fn main() {
     };
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.set_nodelay(true);
-    let c: HttpClient = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(usize::MAX).build(http);
-    let lite = Arc::new(ArgsLite { target: a.target, max_tokens: a.max_tokens, prompt_words: a.prompt_words });
+    let c: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(usize::MAX)
+        .build(http);
+    let lite = Arc::new(ArgsLite {
+        target: a.target,
+        max_tokens: a.max_tokens,
+        prompt_words: a.prompt_words,
+    });
     if let Some(pid) = a.pid {
         println!("worker VmRSS idle: {} kB", rss_kb(pid).unwrap_or(0));
     }
     println!(
         "{:>7} {:>7} {:>8} {:>8} {:>7} {:>7} {:>5} {:>9} {:>9} {:>7} {:>7} {:>6} {:>6} {:>8}",
-        "streams", "running", "passes/s", "model_ms", "real_ms", "keep-up", "kv", "gen_tok/s", "recv_tok/s", "itl_p50", "itl_p99", "cpu", "errors", "rss_kB"
+        "streams",
+        "running",
+        "passes/s",
+        "model_ms",
+        "real_ms",
+        "keep-up",
+        "kv",
+        "gen_tok/s",
+        "recv_tok/s",
+        "itl_p50",
+        "itl_p99",
+        "cpu",
+        "errors",
+        "rss_kB"
     );
     for &n in &a.streams {
         let stop = Arc::new(AtomicBool::new(false));
@@ -215,7 +251,15 @@ async fn main() {
         let gaps = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::with_capacity(n);
         for id in 0..n {
-            tasks.push(tokio::spawn(user(c.clone(), lite.clone(), id, stop.clone(), measuring.clone(), k.clone(), gaps.clone())));
+            tasks.push(tokio::spawn(user(
+                c.clone(),
+                lite.clone(),
+                id,
+                stop.clone(),
+                measuring.clone(),
+                k.clone(),
+                gaps.clone(),
+            )));
         }
         tokio::time::sleep(a.warmup).await;
         let m0 = get_text(&c, a.target, "/metrics").await;
@@ -234,9 +278,12 @@ async fn main() {
         for t in tasks {
             let _ = t.await;
         }
-        let passes = metric(&m1, "mock:engine_passes_total") - metric(&m0, "mock:engine_passes_total");
-        let sim = metric(&m1, "mock:engine_simulated_seconds_total") - metric(&m0, "mock:engine_simulated_seconds_total");
-        let gen = metric(&m1, "vllm:generation_tokens_total") - metric(&m0, "vllm:generation_tokens_total");
+        let passes =
+            metric(&m1, "mock:engine_passes_total") - metric(&m0, "mock:engine_passes_total");
+        let sim = metric(&m1, "mock:engine_simulated_seconds_total")
+            - metric(&m0, "mock:engine_simulated_seconds_total");
+        let gen = metric(&m1, "vllm:generation_tokens_total")
+            - metric(&m0, "vllm:generation_tokens_total");
         let mut g = std::mem::take(&mut *gaps.lock().unwrap());
         g.sort_unstable();
         println!(

@@ -15,7 +15,10 @@ use mock_worker::{Config, Handle};
 use serde_json::Value;
 
 pub async fn worker(args: &str) -> Handle {
-    let args = args.split_whitespace().map(String::from).chain(["--port".into(), "0".into()]);
+    let args = args
+        .split_whitespace()
+        .map(String::from)
+        .chain(["--port".into(), "0".into()]);
     let cfg = Config::from_args(args).unwrap().unwrap();
     mock_worker::start(cfg).await.unwrap()
 }
@@ -38,30 +41,49 @@ impl Resp {
     }
     /// The JSON payloads of an SSE body, checking the framing; the bool says `[DONE]` ended it.
     pub fn sse(&self) -> (Vec<Value>, bool) {
-        assert!(self.body.ends_with("\n\n"), "SSE body must end with a blank line");
+        assert!(
+            self.body.ends_with("\n\n"),
+            "SSE body must end with a blank line"
+        );
         let mut out = vec![];
         let mut done = false;
         for event in self.body.split("\n\n").filter(|e| !e.is_empty()) {
             assert!(!done, "data after [DONE]");
-            let data = event.strip_prefix("data: ").unwrap_or_else(|| panic!("bad SSE event {event:?}"));
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE event {event:?}"));
             if data == "[DONE]" {
                 done = true;
             } else {
-                out.push(serde_json::from_str(data).unwrap_or_else(|e| panic!("bad chunk JSON {e}: {data}")));
+                out.push(
+                    serde_json::from_str(data)
+                        .unwrap_or_else(|e| panic!("bad chunk JSON {e}: {data}")),
+                );
             }
         }
         (out, done)
     }
 }
 
-pub async fn request(addr: SocketAddr, method: Method, path: &str, body: &str, headers: &[(&str, &str)]) -> Resp {
+pub async fn request(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Resp {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let mut b = Request::builder().method(method).uri(format!("http://{addr}{path}"));
+    let mut b = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
     for (k, v) in headers {
         b = b.header(*k, *v);
     }
     let t0 = Instant::now();
-    let resp = client.request(b.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await.unwrap();
+    let resp = client
+        .request(b.body(Full::new(Bytes::from(body.to_string()))).unwrap())
+        .await
+        .unwrap();
     let (parts, mut incoming) = resp.into_parts();
     let mut frames = vec![];
     let mut first_frame = None;
@@ -72,7 +94,13 @@ pub async fn request(addr: SocketAddr, method: Method, path: &str, body: &str, h
         }
     }
     let body = String::from_utf8(frames.iter().flat_map(|f| f.to_vec()).collect()).unwrap();
-    Resp { status: parts.status.as_u16(), headers: parts.headers, body, first_frame: first_frame.unwrap_or_default(), frames }
+    Resp {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+        first_frame: first_frame.unwrap_or_default(),
+        frames,
+    }
 }
 
 pub async fn post(addr: SocketAddr, path: &str, body: &str, headers: &[(&str, &str)]) -> Resp {
@@ -94,7 +122,10 @@ pub fn metric(text: &str, name: &str) -> f64 {
 
 /// English-like text of about `words` words, distinct per `seed`.
 pub fn text(seed: u32, words: usize) -> String {
-    const W: [&str; 12] = ["cache", "router", "prefix", "token", "engine", "request", "block", "memory", "latency", "worker", "stream", "model"];
+    const W: [&str; 12] = [
+        "cache", "router", "prefix", "token", "engine", "request", "block", "memory", "latency",
+        "worker", "stream", "model",
+    ];
     let mut s = format!("Document {seed}.");
     for i in 0..words {
         s.push(' ');

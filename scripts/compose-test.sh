@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# End-to-end test of the docker-compose quickstart on a real Docker engine: builds what is
+# missing, starts examples/docker-compose under a unique project name on free loopback ports,
+# checks routing, disaggregation, failover and metrics through Envoy, and removes every
+# container, network and volume it created, also when it fails or is interrupted.
+#
+#   scripts/compose-test.sh            (make compose-test)
+#
+# No Docker engine: a skip (exit 0) with the reason, or a failure when
+# KVROUTE_REQUIRE_DOCKER=1 (CI). Environment: KVROUTE_WASM (use this wasm instead of
+# `make wasm`), KVROUTE_KEEP=1 (leave the stack up for a look; prints how to remove it).
+# All traffic goes to 127.0.0.1: the published Envoy ports.
+set -uo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+compose_file=examples/docker-compose/docker-compose.yaml
+started=$(date +%s)
+
+say() { printf 'compose-test: %s\n' "$*"; }
+die() { printf 'compose-test: error: %s\n' "$*" >&2; exit 1; }
+
+skip_or_fail() {
+    if [ "${KVROUTE_REQUIRE_DOCKER:-0}" = 1 ]; then
+        die "$1 (KVROUTE_REQUIRE_DOCKER=1, so this is a failure)"
+    fi
+    say "skipped: $1 (set KVROUTE_REQUIRE_DOCKER=1 to make this a failure)"
+    exit 0
+}
+
+# ---- preconditions
+command -v docker >/dev/null 2>&1 || skip_or_fail "docker is not installed"
+timeout 20 docker info >/dev/null 2>&1 || skip_or_fail "no Docker engine answers 'docker info'"
+if docker compose version >/dev/null 2>&1; then
+    compose_cmd=(docker compose)
+elif command -v docker-compose >/dev/null 2>&1; then
+    compose_cmd=(docker-compose)
+else
+    skip_or_fail "neither 'docker compose' nor 'docker-compose' is installed"
+fi
+for tool in curl python3; do
+    command -v "$tool" >/dev/null 2>&1 || die "$tool is required"
+done
+
+# ---- inputs: the wasm and the two images (both steps are no-ops when up to date)
+if [ -n "${KVROUTE_WASM:-}" ]; then
+    [ -f "$KVROUTE_WASM" ] || die "KVROUTE_WASM=$KVROUTE_WASM does not exist"
+    KVROUTE_WASM=$(cd "$(dirname "$KVROUTE_WASM")" && pwd)/$(basename "$KVROUTE_WASM")
+else
+    make --no-print-directory wasm >&2 || die "make wasm failed"
+    KVROUTE_WASM=$root/build/kvroute.wasm
+fi
+export KVROUTE_WASM
+scripts/build-images.sh || die "building the images failed"
+
+# ---- a unique project on free ports, so parallel runs and `make run` never collide
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+project=kvroute-test-$$-$(date +%s)
+KVROUTE_PORT=$(free_port)
+KVROUTE_ADMIN_PORT=$(free_port)
+export KVROUTE_PORT KVROUTE_ADMIN_PORT
+unset KVROUTE_BIND
+base=http://127.0.0.1:$KVROUTE_PORT
+admin=http://127.0.0.1:$KVROUTE_ADMIN_PORT
+tmp=$(mktemp -d)
+compose() { "${compose_cmd[@]}" -p "$project" -f "$compose_file" "$@"; }
+
+torn_down=0
+teardown() {
+    [ "$torn_down" = 1 ] && return
+    torn_down=1
+    if [ "${KVROUTE_KEEP:-0}" = 1 ]; then
+        say "KVROUTE_KEEP=1: stack left up; remove it with: ${compose_cmd[*]} -p $project -f $compose_file down -v --remove-orphans"
+        return
+    fi
+    compose down -v --remove-orphans --timeout 5 >"$tmp/down.log" 2>&1 \
+        || { say "compose down failed:"; cat "$tmp/down.log"; }
+}
+on_exit() {
+    local rc=$?
+    teardown
+    rm -rf "$tmp"
+    exit "$rc"
+}
+trap on_exit EXIT
+trap 'say "interrupted"; exit 130' INT TERM
+
+passed=0
+failed=0
+pass() { passed=$((passed + 1)); say "ok   $1"; }
+fail() { failed=$((failed + 1)); say "FAIL $1"; }
+check() { local name=$1; shift; if "$@"; then pass "$name"; else fail "$name"; fi; }
+
+# ---- HTTP helpers. post PATH BODY_FILE NAME: writes $tmp/NAME.{h,b}, echoes the status.
+post() {
+    curl -s -m 60 -o "$tmp/$3.b" -D "$tmp/$3.h" -w '%{http_code}' \
+        -H 'content-type: application/json' --data-binary "@$2" "$base$1" || echo 000
+}
+# hdr NAME HEADER: the value of a response header (case-insensitive), empty if absent.
+hdr() {
+    awk -v h="$(tr '[:upper:]' '[:lower:]' <<<"$2")" -F': ' \
+        'tolower($1) == h { sub(/\r$/, "", $2); print $2; exit }' "$tmp/$1.h" 2>/dev/null
+}
+# cached NAME: usage.prompt_tokens_details.cached_tokens of a non-streaming answer.
+cached() {
+    python3 -c 'import json,sys; u=json.load(open(sys.argv[1]))["usage"]; print((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0))' \
+        "$tmp/$1.b" 2>/dev/null || echo -1
+}
+# prompt FILE SEED CHARS [STREAM]: a completions body with a prompt of about CHARS
+# characters of varied words, the same for the same seed.
+prompt() {
+    python3 - "$@" <<'EOF'
+import json, random, sys
+path, seed, chars = sys.argv[1], sys.argv[2], int(sys.argv[3])
+r = random.Random(seed)
+words = ["kernel", "router", "token", "cache", "prefix", "engine", "decode", "memory",
+         "tensor", "matrix", "shard", "replica", "queue", "vector", "window", "budget"]
+out, n = [], 0
+while n < chars:
+    w = f"{r.choice(words)}{r.randrange(10000)}"
+    out.append(w)
+    n += len(w) + 1
+json.dump({"model": "mock-model", "prompt": " ".join(out), "max_tokens": 4}, open(path, "w"))
+EOF
+}
+
+dump_logs() {
+    say "---- last Envoy log lines"
+    compose logs --no-color --tail 40 envoy 2>&1 | sed 's/^/    /'
+}
+
+# ---- start
+say "project $project: Envoy on 127.0.0.1:$KVROUTE_PORT, admin 127.0.0.1:$KVROUTE_ADMIN_PORT ($(${compose_cmd[@]} version --short 2>/dev/null || echo compose))"
+if ! compose up -d >"$tmp/up.log" 2>&1; then
+    cat "$tmp/up.log"
+    fail "stack starts"
+    dump_logs
+    say "$passed passed, $failed failed"
+    exit 1
+fi
+
+# Ready = Envoy is LIVE and every cluster has all its hosts resolved and passing /health.
+# 6 worker clusters plus decode-pool; host counts from envoy.yaml (worker + its fallbacks).
+declare -A want=([decode-1]=4 [decode-2]=4 [decode-3]=4 [decode-4]=4 [prefill-1]=2 [prefill-2]=2 [decode-pool]=4)
+all_healthy() {
+    curl -s -m 2 "$admin/ready" 2>/dev/null | grep -q LIVE || return 1
+    curl -s -m 2 "$admin/clusters" >"$tmp/clusters" 2>/dev/null || return 1
+    local c n
+    for c in "${!want[@]}"; do
+        n=$(grep -c "^$c::.*::health_flags::healthy$" "$tmp/clusters")
+        [ "$n" -eq "${want[$c]}" ] || return 1
+    done
+}
+envoy_running() {
+    local id
+    id=$(compose ps -q envoy 2>/dev/null)
+    [ -n "$id" ] && [ "$(docker inspect -f '{{.State.Running}}' "$id" 2>/dev/null)" = true ]
+}
+deadline=$(( $(date +%s) + 60 ))
+until all_healthy; do
+    # Envoy exits at once on a bad config or a wasm that does not load: no point waiting.
+    if [ "$(date +%s)" -ge "$deadline" ] || ! envoy_running; then break; fi
+    sleep 0.5
+done
+if all_healthy; then
+    pass "stack up: Envoy ready, 6 workers healthy in $(( $(date +%s) - started ))s (incl. build checks)"
+else
+    fail "stack up within 60 s"
+    grep health_flags "$tmp/clusters" 2>/dev/null | sed 's/^/    /'
+    dump_logs
+    say "$passed passed, $failed failed"
+    exit 1
+fi
+
+# ---- 1. traffic kvroute does not route passes through (GET /v1/models -> decode-pool)
+code=$(curl -s -m 10 -o "$tmp/models.b" -D "$tmp/models.h" -w '%{http_code}' "$base/v1/models" || echo 000)
+check "GET /v1/models passes through (HTTP $code)" test "$code" = 200
+
+# ---- 2. prefix affinity: one prompt (~750 tokens, below the prefill threshold) five times
+prompt "$tmp/affine.json" affinity 3000
+affine_workers=()
+affine_served=()
+affine_ok=1
+for i in 1 2 3 4 5; do
+    code=$(post /v1/completions "$tmp/affine.json" "affine$i")
+    [ "$code" = 200 ] || affine_ok=0
+    affine_workers+=("$(hdr "affine$i" x-kvroute-worker)")
+    affine_served+=("$(hdr "affine$i" x-worker-id)")
+done
+affine=${affine_workers[0]}
+check "completions answer 200 through kvroute" test "$affine_ok" = 1
+check "responses name the chosen worker (x-kvroute-worker: ${affine:-absent})" test -n "$affine"
+same=1
+for i in 0 1 2 3 4; do
+    [ "${affine_workers[$i]}" = "$affine" ] && [ "${affine_served[$i]}" = "$affine" ] || same=0
+done
+check "same prompt x5 -> same worker (${affine_workers[*]}; served by ${affine_served[*]})" \
+    test "$same" = 1 -a -n "$affine"
+c5=$(cached affine5)
+check "repeat hits the worker's prefix cache (cached_tokens $c5 of the 5th request)" test "$c5" -gt 0
+
+# ---- 3. disaggregation: a cold ~28k-char prompt (~6000+ tokens > threshold 5000)
+prompt "$tmp/long.json" "long-$project" 28000
+code=$(post /v1/completions "$tmp/long.json" long1)
+pw=$(hdr long1 x-kvroute-prefill-worker)
+dw=$(hdr long1 x-kvroute-worker)
+check "long cold prompt answers 200 (HTTP $code)" test "$code" = 200
+check "long cold prompt goes to the prefill pool (x-kvroute-prefill-worker: ${pw:-absent})" \
+    test -n "$pw"
+# The mock prefill worker stamps its own name, and the decode worker's id comes back in
+# x-worker-id: proof the request really took the prefill -> decode path kvroute chose.
+check "prefill worker handed off to the chosen decode worker (prefill $(hdr long1 x-prefill-worker-id), decode $(hdr long1 x-worker-id), chosen ${dw:-?})" \
+    test -n "$(hdr long1 x-prefill-worker-id)" -a "$(hdr long1 x-worker-id)" = "$dw" -a -n "$dw"
+code=$(post /v1/completions "$tmp/long.json" long2)
+check "same long prompt again stays on $dw without prefill (worker $(hdr long2 x-kvroute-worker), prefill '$(hdr long2 x-kvroute-prefill-worker)', cached $(cached long2))" \
+    test "$code" = 200 -a "$(hdr long2 x-kvroute-worker)" = "$dw" -a -z "$(hdr long2 x-kvroute-prefill-worker)"
+
+# ---- 4. streaming chat goes through Envoy intact
+cat >"$tmp/chat.json" <<'EOF'
+{"model":"mock-model","messages":[{"role":"user","content":"Say hello."}],"max_tokens":5,"stream":true,"stream_options":{"include_usage":true}}
+EOF
+code=$(post /v1/chat/completions "$tmp/chat.json" chat)
+events=$(grep -c '^data: {' "$tmp/chat.b" 2>/dev/null)
+events=${events:-0}
+check "streaming chat: 200, $events SSE events, ends with [DONE]" \
+    test "$code" = 200 -a "$events" -ge 6 -a "$(grep -c '^data: \[DONE\]' "$tmp/chat.b" 2>/dev/null)" = 1
+
+# ---- 5. metrics
+curl -s -m 5 "$admin/stats/prometheus" >"$tmp/prom" 2>/dev/null
+kv_lines=$(grep -c '^kvroute_' "$tmp/prom")
+decisions=$(awk '/^kvroute_worker_decisions_total/ { s += $NF } END { print s + 0 }' "$tmp/prom")
+check "kvroute_ metrics in /stats/prometheus ($kv_lines series)" test "$kv_lines" -gt 0
+check "kvroute_worker_decisions_total counts the routed requests (sum $decisions)" test "$decisions" -ge 8
+
+# ---- 6. failover: kill a decode worker; every request must still get an answer
+victim=${affine:-decode-1}
+case $victim in decode-[1-4]) ;; *) victim=decode-1 ;; esac
+victim_id=$(compose ps -q "$victim" 2>/dev/null)
+if [ -z "$victim_id" ] || ! docker kill "$victim_id" >/dev/null 2>&1; then
+    fail "kill $victim"
+else
+    pass "killed $victim (the affinity worker)"
+    fo_ok=0
+    fo_total=0
+    retried=0
+    served_by=()
+    # Requests right after the kill (Envoy has not noticed yet: retries do the work), then
+    # after the health checks and DNS have dropped the worker.
+    for round in early late; do
+        [ "$round" = late ] && sleep 3
+        for i in 1 2 3 4 5 6; do
+            if [ "$i" -le 2 ]; then
+                body=$tmp/affine.json              # kvroute still prefers the dead worker
+            else
+                prompt "$tmp/fo-$round-$i.json" "fo-$round-$i-$project" 1500
+                body=$tmp/fo-$round-$i.json
+            fi
+            code=$(post /v1/completions "$body" "fo-$round-$i")
+            fo_total=$((fo_total + 1))
+            [ "$code" = 200 ] && [ "$(hdr "fo-$round-$i" x-worker-id)" != "$victim" ] && fo_ok=$((fo_ok + 1))
+            [ "$(hdr "fo-$round-$i" x-envoy-attempt-count)" -gt 1 ] 2>/dev/null && retried=$((retried + 1))
+            served_by+=("$(hdr "fo-$round-$i" x-worker-id)")
+        done
+    done
+    check "with $victim dead, $fo_ok/$fo_total requests answered 200 by live workers ($retried needed a retry; served by ${served_by[*]})" \
+        test "$fo_ok" = "$fo_total"
+    # Informational: whether kvroute itself has stopped choosing the dead worker yet.
+    say "info kvroute chose after the kill: $(for f in "$tmp"/fo-late-*.h; do n=$(basename "$f" .h); printf '%s ' "$(hdr "$n" x-kvroute-worker)"; done)"
+fi
+
+# ---- 7. teardown leaves nothing behind
+[ "$failed" = 0 ] || dump_logs
+teardown
+leftover=$(
+    docker ps -aq --filter "label=com.docker.compose.project=$project"
+    docker network ls -q --filter "label=com.docker.compose.project=$project"
+    docker volume ls -q --filter "label=com.docker.compose.project=$project"
+    docker ps -aq --filter "name=^$project[-_]"
+    docker network ls -q --filter "name=^$project[-_]"
+)
+if [ "${KVROUTE_KEEP:-0}" != 1 ]; then
+    check "down -v removed every container, network and volume of $project" test -z "$leftover"
+fi
+
+say "finished in $(( $(date +%s) - started ))s"
+say "$passed passed, $failed failed"
+[ "$failed" = 0 ]

@@ -1,0 +1,171 @@
+"""`make demo`, `make run`, `make stop`.
+
+demo: the same shared-prefix chat workload (pairs of users asking about one long document,
+each conversation appending turns) through kvroute and through Envoy's round-robin, each on
+a fresh fleet of four mock workers, then a comparison table.
+run/stop: the demo stack of envoy/demo.yaml on its fixed ports, in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvstack  # noqa: E402
+from kvstack import ROOT, Stack, Worker, stream, text, wait_port  # noqa: E402
+
+SPEEDUP = float(os.environ.get("DEMO_SPEEDUP", 2))  # simulated time runs this much faster
+KV_BLOCKS = int(os.environ.get("DEMO_KV_BLOCKS", 2048))  # 32k tokens per worker: the workload does not fit in one
+APPS = int(os.environ.get("DEMO_APPS", 12))  # users per app share its long document
+USERS = int(os.environ.get("DEMO_USERS", 24))
+TURNS = int(os.environ.get("DEMO_TURNS", 4))
+CONCURRENCY = int(os.environ.get("DEMO_CONCURRENCY", 12))
+SYSTEM_CHARS = int(os.environ.get("DEMO_SYSTEM_CHARS", 24000))
+TURN_CHARS = int(os.environ.get("DEMO_TURN_CHARS", 2000))
+
+
+def workload() -> list[list[dict]]:
+    """Per user, the chat requests of successive turns. Users of one app share its long
+    system prompt; each turn appends to the user's own history."""
+    users = []
+    for u in range(USERS):
+        app = u % APPS
+        system = f"You are assistant {app}. " + text(1000 + app, SYSTEM_CHARS)
+        users.append((system, u))
+    convs = []
+    for system, u in users:
+        msgs = [{"role": "system", "content": system}]
+        turns = []
+        for t in range(TURNS):
+            msgs = msgs + [{"role": "user", "content": f"user {u} turn {t}: " + text(u * 100 + t, TURN_CHARS)}]
+            turns.append({"model": "mock-model", "messages": list(msgs), "max_tokens": 24, "stream": True,
+                          "stream_options": {"include_usage": True}})
+            msgs = msgs + [{"role": "assistant", "content": text(u * 1000 + t, 300)}]
+        convs.append(turns)
+    return convs
+
+
+def run_policy(name: str, kvroute: dict | None) -> dict:
+    fleet = [Worker(f"worker-{i}", role="both", kv_blocks=KV_BLOCKS) for i in range(1, 5)]
+    results = []
+    lock = threading.Lock()
+    with Stack(fleet, kvroute=kvroute, speedup=SPEEDUP, concurrency=2) as s:
+        convs = workload()
+
+        def user(turns):
+            for body in turns:
+                status, headers, chunks = stream(s.listen, "/v1/chat/completions", body, timeout=120)
+                ttft = chunks[0][0] if chunks else float("nan")
+                usage = {}
+                for line in b"".join(c for _, c in chunks).decode(errors="replace").split("\n"):
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        usage = json.loads(line[6:]).get("usage") or usage
+                with lock:
+                    results.append({"status": status, "ttft_ms": ttft * 1000 * SPEEDUP,
+                                    "worker": headers.get("x-worker-id", "?"),
+                                    "prompt": usage.get("prompt_tokens", 0),
+                                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+
+        t0 = time.time()
+        with ThreadPoolExecutor(CONCURRENCY) as ex:
+            list(ex.map(user, convs))
+        wall = time.time() - t0
+    ok = [r for r in results if r["status"] == 200]
+    ttfts = sorted(r["ttft_ms"] for r in ok)
+    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+    prompt = sum(r["prompt"] for r in ok)
+    return {
+        "policy": name,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "ttft_p50": pct(0.50),
+        "ttft_p99": pct(0.99),
+        "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0,
+        "per_worker": Counter(r["worker"] for r in ok),
+        "wall_s": wall,
+    }
+
+
+def demo() -> int:
+    print(f"kvroute demo: {USERS} users x {TURNS} chat turns sharing {APPS} long system prompts, "
+          f"{CONCURRENCY} at a time, on 4 mock workers ({KV_BLOCKS} KV blocks each, speedup {SPEEDUP:g})")
+    rows = []
+    scoring = json.loads(os.environ.get("DEMO_SCORING", "{}"))
+    for name, cfg in [("envoy round-robin", None),
+                      ("kvroute", {"disaggregation": {"threshold_tokens": 0}, "scoring": scoring})]:
+        print(f"  running {name} ...", flush=True)
+        rows.append(run_policy(name, cfg))
+    print()
+    print("| policy | requests | errors | TTFT p50 (ms) | TTFT p99 (ms) | prefix cache hit rate | requests per worker |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        split = " ".join(f"{r['per_worker'][w]}" for w in sorted(r["per_worker"]))
+        print(f"| {r['policy']} | {r['requests']} | {r['errors']} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} "
+              f"| {r['hit_rate']:.1%} | {split} |")
+    rr, kv = rows
+    if kv["ttft_p50"] > 0:
+        print(f"\nkvroute: TTFT p50 {rr['ttft_p50'] / kv['ttft_p50']:.1f}x lower, "
+              f"hit rate {kv['hit_rate']:.1%} vs {rr['hit_rate']:.1%} (times are simulated ms)")
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+RUN_DIR = os.path.join(ROOT, "build", "run")
+DEMO_WORKERS = [("decode-1", "decode", 8001), ("decode-2", "decode", 8002), ("decode-3", "decode", 8003),
+                ("decode-4", "decode", 8004), ("prefill-1", "prefill", 8101), ("prefill-2", "prefill", 8102)]
+
+
+def run() -> int:
+    stop(quiet=True)
+    os.makedirs(RUN_DIR, exist_ok=True)
+    pids = []
+    for name, role, port in DEMO_WORKERS:
+        log = open(os.path.join(RUN_DIR, f"{name}.log"), "wb")
+        p = subprocess.Popen([kvstack.MOCK, "--port", str(port), "--name", name, "--role", role,
+                              "--speedup", "10", "--kv-blocks", "4096"], stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        pids.append(p.pid)
+    log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
+    e = subprocess.Popen([kvstack.ENVOY, "-c", os.path.join(ROOT, "envoy", "demo.yaml"), "--concurrency", "2"],
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pids.append(e.pid)
+    with open(os.path.join(RUN_DIR, "pids"), "w") as f:
+        f.write("\n".join(map(str, pids)))
+    for _, _, port in DEMO_WORKERS:
+        wait_port(port)
+    wait_port(10000, proc=e)
+    print("kvroute stack running: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
+    print("  decode workers 127.0.0.1:8001-8004, prefill pool 127.0.0.1:8101-8102; logs in build/run/")
+    print("  try: curl -si localhost:10000/v1/completions -d '{\"prompt\":\"hello\",\"max_tokens\":8}'")
+    print("  stop with: make stop")
+    return 0
+
+
+def stop(quiet: bool = False) -> int:
+    path = os.path.join(RUN_DIR, "pids")
+    if not os.path.exists(path):
+        if not quiet:
+            print("nothing running")
+        return 0
+    for pid in open(path).read().split():
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pass
+    os.remove(path)
+    if not quiet:
+        print("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "demo"
+    sys.exit({"demo": demo, "run": run, "stop": stop}[cmd]())

@@ -1,0 +1,332 @@
+"""Start and talk to a local kvroute stack: mock workers plus a real Envoy with the built wasm.
+
+Used by the end-to-end tests (random free ports), `make demo` (kvroute against Envoy's
+round-robin on the same kind of fleet) and `make run` / `make stop` (envoy/demo.yaml on the
+fixed ports). Standard library only, so it runs before anything is pip-installed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
+WASM = os.path.join(ROOT, "build", "kvroute.wasm")
+ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
+
+# Same regexes as envoy/demo.yaml: label values move from stat names into Prometheus labels.
+STATS_TAGS = [
+    {"tag_name": "outcome", "regex": r"^wasmcustom\.kvroute\.requests\.((.+?)\.)total$"},
+    {"tag_name": "reason", "regex": r"^wasmcustom\.kvroute\.fallbacks\.((.+?)\.)total$"},
+    {"tag_name": "decision", "regex": r"^wasmcustom\.kvroute\.disagg_decisions\.((.+?)\.)total$"},
+    {"tag_name": "kind", "regex": r"^wasmcustom\.kvroute\.(?:feedback|replication)\.((.+?)\.)total$"},
+    {"tag_name": "worker", "regex": r"^wasmcustom\.kvroute\.worker\.((.+?)\.)\w+$"},
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for port {port} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@dataclass
+class Worker:
+    name: str
+    role: str = "both"
+    port: int = 0
+    kv_blocks: int = 4096
+    proc: subprocess.Popen | None = None
+    args: list = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, speedup: float, log_dir: str) -> None:
+        if not self.port:
+            self.port = free_port()
+        cmd = [MOCK, "--port", str(self.port), "--name", self.name, "--role", self.role,
+               "--speedup", str(speedup), "--kv-blocks", str(self.kv_blocks), *self.args]
+        log = open(os.path.join(log_dir, f"{self.name}.log"), "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def cluster(name: str, primary: Worker, failover: list[Worker]) -> dict:
+    """One cluster per worker; the others of its pool at priority 1 so a retry lands elsewhere."""
+    ep = lambda w: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
+    endpoints = [{"priority": 0, "lb_endpoints": [ep(primary)]}]
+    if failover:
+        endpoints.append({"priority": 1, "lb_endpoints": [ep(w) for w in failover]})
+    return {
+        "name": name,
+        "connect_timeout": "0.25s",
+        "type": "STATIC",
+        "outlier_detection": {
+            "consecutive_local_origin_failure": 2,
+            "split_external_local_origin_errors": True,
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+        "load_assignment": {"cluster_name": name, "endpoints": endpoints},
+    }
+
+
+RETRY = {
+    "retry_on": "connect-failure,refused-stream,reset",
+    "num_retries": 2,
+    "retry_priority": {
+        "name": "envoy.retry_priorities.previous_priorities",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+            "update_frequency": 1,
+        },
+    },
+    "retry_host_predicate": [{
+        "name": "envoy.retry_host_predicates.previous_hosts",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+    }],
+}
+
+
+def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict | None,
+                 policy: str = "ROUND_ROBIN") -> dict:
+    """Envoy bootstrap. With `kvroute` (the plugin config) the wasm filter steers by cluster
+    header; without it every decode worker sits in one cluster balanced by `policy`."""
+    decode = [w for w in workers if w.role != "prefill"]
+    prefill = [w for w in workers if w.role == "prefill"]
+    if kvroute is not None:
+        clusters = [cluster(w.name, w, [o for o in (prefill if w.role == "prefill" else decode) if o is not w])
+                    for w in workers]
+        routes = [
+            {"match": {"prefix": "/", "headers": [{"name": "x-kvroute-cluster", "present_match": True}]},
+             "route": {"cluster_header": "x-kvroute-cluster", "timeout": "0s", "retry_policy": RETRY}},
+            {"match": {"prefix": "/"}, "route": {"cluster": decode[0].name, "timeout": "0s", "retry_policy": RETRY}},
+        ]
+        filters = [{
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "kvroute",
+                    "root_id": "kvroute",
+                    "vm_config": {"vm_id": "kvroute", "runtime": "envoy.wasm.runtime.v8",
+                                  "code": {"local": {"filename": WASM}}},
+                    "allow_on_headers_stop_iteration": True,
+                    "failure_policy": "FAIL_RELOAD",
+                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                      "value": json.dumps(kvroute)},
+                },
+            },
+        }]
+    else:
+        ep = lambda w: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
+        clusters = [{
+            "name": "pool", "connect_timeout": "0.25s", "type": "STATIC", "lb_policy": policy,
+            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": [ep(w) for w in decode]}]},
+        }]
+        routes = [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s", "retry_policy": RETRY}}]
+        filters = []
+    filters.append({"name": "envoy.filters.http.router",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "inference",
+        "stream_idle_timeout": "600s",
+        "route_config": {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes,
+                                                            "include_attempt_count_in_response": True}]},
+        "http_filters": filters,
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "stats_config": {"stats_tags": STATS_TAGS},
+        "static_resources": {
+            "listeners": [{
+                "name": "inference",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                "per_connection_buffer_limit_bytes": 33554432,
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def kvroute_config(fleet: list[Worker], /, **overrides) -> dict:
+    cfg = {
+        "workers": [{"name": w.name, "endpoint": w.endpoint, "role": w.role, "kv_blocks": w.kv_blocks}
+                    for w in fleet],
+        "debug_headers": True,
+    }
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k].update(v)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+class Stack:
+    """Mock workers and an Envoy in front of them, on free loopback ports."""
+
+    def __init__(self, workers: list[Worker], kvroute: dict | None = None, policy: str = "ROUND_ROBIN",
+                 speedup: float = 20.0, concurrency: int = 2, listen: int = 0, admin: int = 0):
+        self.workers = workers
+        self.kvroute_overrides = kvroute
+        self.policy = policy
+        self.speedup = speedup
+        self.concurrency = concurrency
+        self.listen = listen or free_port()
+        self.admin = admin or free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvroute-e2e-")
+        self.envoy: subprocess.Popen | None = None
+        self.kvroute: dict | None = None
+
+    def start(self) -> "Stack":
+        for w in self.workers:
+            w.start(self.speedup, self.dir)
+        for w in self.workers:
+            wait_port(w.port, proc=w.proc)
+        return self.start_envoy()
+
+    def start_envoy(self) -> "Stack":
+        """Only Envoy, in front of workers that are already running."""
+        self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
+        cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy)
+        path = os.path.join(self.dir, "envoy.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=1)
+        log = open(os.path.join(self.dir, "envoy.log"), "wb")
+        self.envoy = subprocess.Popen(
+            [ENVOY, "-c", path, "--concurrency", str(self.concurrency), "-l", "info",
+             "--base-id", str(self.listen)],
+            stdout=log, stderr=subprocess.STDOUT)
+        wait_port(self.admin, proc=self.envoy)
+        wait_port(self.listen, proc=self.envoy)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                status, _, body = request(self.admin, "GET", "/ready")
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("envoy not ready")
+
+    def stop(self, workers: bool = True) -> None:
+        if self.envoy and self.envoy.poll() is None:
+            self.envoy.send_signal(signal.SIGTERM)
+            try:
+                self.envoy.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.envoy.kill()
+                self.envoy.wait()
+        for w in self.workers if workers else []:
+            w.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def envoy_log(self) -> str:
+        with open(os.path.join(self.dir, "envoy.log"), errors="replace") as f:
+            return f.read()
+
+    def post(self, path: str, body, headers: dict | None = None, timeout: float = 60.0):
+        return request(self.listen, "POST", path, body, headers, timeout)
+
+    def stats(self) -> dict[str, float]:
+        """kvroute stats from /stats/prometheus as {'name{labels}': value}."""
+        _, _, body = request(self.admin, "GET", "/stats/prometheus")
+        out = {}
+        for line in body.decode().splitlines():
+            if line.startswith("kvroute_") and " " in line:
+                k, v = line.rsplit(" ", 1)
+                try:
+                    out[k.replace("{}", "")] = float(v)
+                except ValueError:
+                    pass
+        return out
+
+
+def request(port: int, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60.0):
+    """One HTTP/1.1 request; returns (status, headers dict lowercased, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        h = {"content-type": "application/json"} if data is not None else {}
+        h.update(headers or {})
+        conn.request(method, path, body=data, headers=h)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def stream(port: int, path: str, body: dict, timeout: float = 60.0):
+    """Streaming POST: returns (status, headers, [(seconds since send, chunk bytes), ...])."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        chunks = []
+        while True:
+            piece = r.read1(65536)
+            if not piece:
+                break
+            chunks.append((time.perf_counter() - t0, piece))
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, chunks
+    finally:
+        conn.close()
+
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+         "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def text(seed: int, n_chars: int) -> str:
+    """Deterministic English-like text of about n_chars characters."""
+    x = seed * 2654435761 % 2**32 or 1
+    out, size = [], 0
+    while size < n_chars:
+        x = (x * 1103515245 + 12345) % 2**31
+        w = WORDS[x % len(WORDS)]
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)

@@ -1,0 +1,128 @@
+//! Envoy stats. Names put label values in the middle (`kvroute.worker.<name>.decisions_total`)
+//! so the `stats_tags` regexes in the bootstrap turn them into Prometheus labels
+//! (`kvroute_worker_decisions_total{worker="..."}`); see envoy/demo.yaml.
+//!
+//! Every VM defines the same names; Envoy keeps one stat per name for the whole process, so
+//! counters add up across threads and gauges (computed from each VM's full replica) agree.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Id(Option<u32>);
+
+fn define(kind: MetricType, name: &str) -> Id {
+    Id(hostcalls::define_metric(kind, name).ok())
+}
+
+impl Id {
+    pub fn inc(self) {
+        self.add(1);
+    }
+    pub fn add(self, n: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+    /// Gauge value, or a histogram sample.
+    pub fn record(self, v: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::record_metric(id, v);
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct WorkerMetrics {
+    pub decisions: Id,
+    pub failures: Id,
+    pub inflight: Id,
+    pub prefill_tokens: Id,
+    pub active_blocks: Id,
+    pub kv_usage_pct: Id,
+    pub waiting: Id,
+    pub healthy: Id,
+    pub index_blocks: Id,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Metrics {
+    pub routed: Id,
+    pub fallback: Id,
+    pub rejected: Id,
+    pub fallback_parse: Id,
+    pub fallback_model: Id,
+    pub disagg_prefill: Id,
+    pub disagg_local: Id,
+    pub predicted_hit_pct: Id,
+    pub actual_hit_pct: Id,
+    pub route_time_us: Id,
+    pub orca_reports: Id,
+    pub usage_reports: Id,
+    pub overpredicted: Id,
+    pub repl_sent: Id,
+    pub repl_received: Id,
+    pub repl_errors: Id,
+    pub repl_wakeups: Id,
+    pub repl_delay_us: Id,
+    pub repl_peers: Id,
+    pub index_blocks: Id,
+    pub index_bytes: Id,
+    pub active_requests: Id,
+    pub expired_requests: Id,
+    pub chars_per_token_milli: Id,
+    pub workers: Vec<WorkerMetrics>,
+}
+
+impl Metrics {
+    pub fn define(worker_names: &[&str]) -> Metrics {
+        use MetricType::{Counter, Gauge, Histogram};
+        let c = |n: &str| define(Counter, n);
+        let g = |n: &str| define(Gauge, n);
+        let h = |n: &str| define(Histogram, n);
+        Metrics {
+            routed: c("kvroute.requests.routed.total"),
+            fallback: c("kvroute.requests.fallback.total"),
+            rejected: c("kvroute.requests.rejected.total"),
+            fallback_parse: c("kvroute.fallbacks.parse_error.total"),
+            fallback_model: c("kvroute.fallbacks.unknown_model.total"),
+            disagg_prefill: c("kvroute.disagg_decisions.prefill.total"),
+            disagg_local: c("kvroute.disagg_decisions.local.total"),
+            predicted_hit_pct: h("kvroute.predicted_hit_pct"),
+            actual_hit_pct: h("kvroute.actual_hit_pct"),
+            route_time_us: h("kvroute.route_time_us"),
+            orca_reports: c("kvroute.feedback.orca.total"),
+            usage_reports: c("kvroute.feedback.usage.total"),
+            overpredicted: c("kvroute.feedback.overpredicted.total"),
+            repl_sent: c("kvroute.replication.sent.total"),
+            repl_received: c("kvroute.replication.received.total"),
+            repl_errors: c("kvroute.replication.errors.total"),
+            repl_wakeups: c("kvroute.replication.wakeups.total"),
+            repl_delay_us: h("kvroute.replication_delay_us"),
+            repl_peers: g("kvroute.replication_peers"),
+            index_blocks: g("kvroute.index_blocks"),
+            index_bytes: g("kvroute.index_bytes"),
+            active_requests: g("kvroute.active_requests"),
+            expired_requests: c("kvroute.expired_requests.total"),
+            chars_per_token_milli: g("kvroute.chars_per_token_milli"),
+            workers: worker_names
+                .iter()
+                .map(|w| WorkerMetrics {
+                    decisions: c(&format!("kvroute.worker.{w}.decisions_total")),
+                    failures: c(&format!("kvroute.worker.{w}.failures_total")),
+                    inflight: g(&format!("kvroute.worker.{w}.inflight")),
+                    prefill_tokens: g(&format!("kvroute.worker.{w}.prefill_tokens")),
+                    active_blocks: g(&format!("kvroute.worker.{w}.active_blocks")),
+                    kv_usage_pct: g(&format!("kvroute.worker.{w}.kv_usage_pct")),
+                    waiting: g(&format!("kvroute.worker.{w}.waiting")),
+                    healthy: g(&format!("kvroute.worker.{w}.healthy")),
+                    index_blocks: g(&format!("kvroute.worker.{w}.index_blocks")),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn worker(&self, w: u16) -> Option<&WorkerMetrics> {
+        self.workers.get(usize::from(w))
+    }
+}

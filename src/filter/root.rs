@@ -1,0 +1,226 @@
+//! Root context: configuration, the VM's router replica, replication and periodic work.
+
+use super::bus::HostBus;
+use super::http::Http;
+use super::metrics::Metrics;
+use super::{log, now_ms, now_ns};
+use crate::config::Config;
+use crate::events::{self, Event};
+use crate::replication::{Replicator, Timing};
+use crate::router::Router;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Heartbeats, expiry and gauges run on this period; peers are considered gone after
+/// `Timing::stale_ms` without a heartbeat.
+const TICK: Duration = Duration::from_millis(250);
+/// Replication messages handled per queue wake-up before yielding back to Envoy.
+const DRAIN_MAX: usize = 4096;
+
+pub struct State {
+    pub router: Router,
+    pub metrics: Metrics,
+    bus: HostBus,
+    repl: Option<Replicator>,
+}
+
+impl State {
+    /// Sends events this VM already applied to every other VM.
+    pub fn broadcast(&mut self, evs: &[Event]) {
+        if evs.is_empty() {
+            return;
+        }
+        if let Some(r) = &mut self.repl {
+            let msg = events::encode(now_ns(), evs);
+            let n = r.broadcast(&self.bus, now_ms(), &msg);
+            self.metrics.repl_sent.add(n as u64);
+        }
+    }
+
+    /// Runs the index inserts of this VM's own decisions outside the request path: after
+    /// the callback that routed returns, Envoy delivers the self-addressed wake-up.
+    pub fn defer_flush(&mut self) {
+        let woke = self.repl.as_ref().is_some_and(|r| r.wake_self(&self.bus));
+        if !woke {
+            self.router.flush();
+        }
+    }
+
+    fn drain(&mut self) {
+        self.router.flush();
+        let Some(r) = &self.repl else { return };
+        let now = now_ms();
+        for msg in r.drain(&self.bus, DRAIN_MAX) {
+            if msg.is_empty() {
+                continue; // a wake-up, see defer_flush
+            }
+            match events::decode(&msg) {
+                Ok((sent_ns, evs)) => {
+                    self.metrics.repl_received.add(evs.len() as u64);
+                    self.metrics.repl_delay_us.record(now_ns().saturating_sub(sent_ns) / 1000);
+                    for e in &evs {
+                        self.router.apply(e, now);
+                    }
+                }
+                Err(e) => {
+                    self.metrics.repl_errors.inc();
+                    log(
+                        LogLevel::Warn,
+                        &format!("kvroute: dropped replication message: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self) {
+        let now = now_ms();
+        if let Some(r) = &mut self.repl {
+            r.heartbeat(&self.bus, now);
+            self.metrics.repl_peers.record(r.peers() as u64);
+        }
+        self.drain();
+        let (lost, _) = self.router.tick(now);
+        self.metrics.expired_requests.add(lost as u64);
+        self.publish_gauges(now);
+    }
+
+    fn publish_gauges(&self, now: u64) {
+        let r = &self.router;
+        self.metrics.index_blocks.record(r.index().blocks() as u64);
+        self.metrics
+            .index_bytes
+            .record(r.index().memory_bytes() as u64);
+        self.metrics
+            .active_requests
+            .record(r.load().active_requests() as u64);
+        self.metrics
+            .chars_per_token_milli
+            .record((r.chars_per_token() * 1000.0) as u64);
+        for (i, wm) in self.metrics.workers.iter().enumerate() {
+            let Ok(w) = u16::try_from(i) else { break };
+            let v = r.worker_view(w, now);
+            wm.inflight.record(u64::from(v.inflight));
+            wm.prefill_tokens.record(v.prefill_tokens as u64);
+            wm.active_blocks.record(v.active_blocks);
+            wm.healthy.record(u64::from(v.healthy));
+            wm.index_blocks.record(r.index().entries(w) as u64);
+            if let Some(rep) = v.report {
+                wm.kv_usage_pct
+                    .record((f64::from(rep.kv_usage) * 100.0) as u64);
+                wm.waiting.record(u64::from(rep.waiting));
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Root {
+    state: Option<Rc<RefCell<State>>>,
+}
+
+impl Context for Root {}
+
+fn property(path: &[&str]) -> Option<String> {
+    hostcalls::get_property(path.to_vec())
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let cfg = match Config::from_json(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                // Returning false makes Envoy reject the filter configuration.
+                log(LogLevel::Error, &e.to_string());
+                return false;
+            }
+        };
+        let vm_id = property(&["plugin_vm_id"]).unwrap_or_default();
+        let ns = property(&["plugin_name"])
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "kvroute".into());
+        let bus = HostBus { vm_id };
+        let now = now_ms();
+        let repl = Replicator::join(&bus, &ns, now, Timing::default());
+        if repl.is_none() {
+            log(
+                LogLevel::Warn,
+                "kvroute: could not join replication; this thread routes on its own state",
+            );
+        }
+        let origin = repl
+            .as_ref()
+            .map(|r| u64::from(r.id()))
+            .unwrap_or(now & 0xFFFF);
+        let seed = if cfg.seed != 0 {
+            cfg.seed ^ origin
+        } else {
+            now_ns() ^ (origin << 32)
+        };
+        let names: Vec<&str> = cfg.workers.iter().map(|w| w.name.as_str()).collect();
+        let metrics = Metrics::define(&names);
+        let (decode, prefill) = cfg.workers.iter().fold((0, 0), |(d, p), w| {
+            if w.role == crate::config::Role::Prefill {
+                (d, p + 1)
+            } else {
+                (d + 1, p)
+            }
+        });
+        log(
+            LogLevel::Info,
+            &format!(
+                "kvroute: configured {} workers ({decode} decode, {prefill} prefill), block_size {}, steering header {}, replica {}",
+                cfg.workers.len(),
+                cfg.block_size,
+                cfg.steering.header_name(),
+                repl.as_ref().map(|r| r.id()).unwrap_or(0),
+            ),
+        );
+        let router = Router::new(cfg, origin, seed);
+        self.state = Some(Rc::new(RefCell::new(State {
+            router,
+            metrics,
+            bus,
+            repl,
+        })));
+        let _ = hostcalls::set_tick_period(TICK);
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(st) = &self.state {
+            if let Ok(mut s) = st.try_borrow_mut() {
+                s.tick();
+            }
+        }
+    }
+
+    fn on_queue_ready(&mut self, _queue_id: u32) {
+        if let Some(st) = &self.state {
+            if let Ok(mut s) = st.try_borrow_mut() {
+                s.metrics.repl_wakeups.inc();
+                s.drain();
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Never None: the SDK panics on it. Unconfigured, the context passes traffic through.
+        Some(Box::new(Http::new(self.state.clone())))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
