@@ -31,7 +31,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
-ENVOY = os.path.join(BUILD, "bench-venv", "bin", "envoy")
+ENVOY = os.path.join(ROOT, ".venv", "bin", "envoy")  # the project venv (make venv)
 SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
 VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
@@ -212,7 +212,7 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
         conf = kvroute_config(cfg, ws, kv_extra)
         clusters = "".join(fill("kvroute-cluster.yaml.tmpl", NAME=w["name"], WPORT=w["port"]) for w in ws)
         yaml = fill("kvroute.yaml.tmpl", PORT=port, ADMIN_PORT=admin, WASM=WASM,
-                    CONFIG_JSON=json.dumps(json.dumps(conf)), CLUSTERS=clusters)
+                    CONFIG_JSON=json.dumps(json.dumps(conf)), CLUSTERS=clusters, FALLBACK=ws[0]["name"])
     else:
         eps = "".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {w['port']}}}}}}}\n"
                       for w in ws)
@@ -255,7 +255,9 @@ def check_routes(url, procs, policy):
         st, h, b = http("POST", url + "/v1/completions",
                         {"model": MODEL, "prompt": "ready check", "max_tokens": 1}, timeout=5)
         hl = {k.lower(): v for k, v in h.items()}
-        return st == 200, f"HTTP {st} {b[:200]!r} worker={hl.get('x-worker-id')}"
+        steered = not policy.startswith("kvroute") or "x-kvroute-worker" in hl
+        return st == 200 and steered, (f"HTTP {st} {b[:200]!r} worker={hl.get('x-worker-id')}"
+                                       + ("" if steered else " (no x-kvroute-worker: the filter did not route)"))
     return wait_until(ok, 60, f"{policy} router", procs)
 
 
