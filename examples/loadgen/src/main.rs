@@ -75,7 +75,8 @@ run mode:
   --doc-fraction F          share of conversations that are questions on a document [0.3]
   --max-tokens N            output tokens per turn [64]
 
-latency / saturate modes:
+latency / saturate modes (--target may list several URLs, comma-separated; latency mode
+interleaves them request by request):
   --prompt-tokens LIST      prompt sizes, e.g. 1000,8000,32000,128000 [1000]
   --requests N              requests per size (latency) [200]
   --concurrency N           closed-loop clients [1 latency, 32 saturate]

@@ -131,17 +131,21 @@ pub fn one_line(s: &Value) -> String {
 }
 
 /// `--mode latency`: for each prompt size, closed-loop non-streaming requests with
-/// `max_tokens` 1; `--mode saturate`: the same for `--duration-s` with more clients.
+/// `max_tokens` 1. Several comma-separated `--target`s are measured interleaved (request i goes
+/// to target i mod n), so drift in machine load hits every target alike. `--mode saturate`:
+/// the same for `--duration-s` with more clients, one target after the other.
 pub async fn closed_loop(a: &Args) -> i32 {
     let Some(target) = a.target.clone() else {
         eprintln!("loadgen: --target is required in this mode");
         return 2;
     };
+    let targets: Vec<String> = target.split(',').map(|t| t.trim_end_matches('/').to_string()).collect();
     let saturate = a.mode == "saturate";
     let conc = if a.concurrency > 0 { a.concurrency } else if saturate { 32 } else { 1 };
     let c = client::new_client();
-    let url = format!("{target}/v1/completions");
     let mut results = Vec::new();
+    let groups: Vec<Vec<String>> =
+        if saturate { targets.iter().map(|t| vec![t.clone()]).collect() } else { vec![targets.clone()] };
     for &n in &a.prompt_tokens {
         let mut prompt = String::with_capacity(n * 5);
         push_words(&mut prompt, seed_of(&[a.seed, 0x1a7, n as u64]), n);
@@ -150,61 +154,78 @@ pub async fn closed_loop(a: &Args) -> i32 {
             b["model"] = json!(a.model);
         }
         let body = Bytes::from(serde_json::to_vec(&b).unwrap());
-        // Warm up connections and caches.
-        for _ in 0..conc.max(5) {
-            let _ = client::send(&c, &url, body.clone(), &[], Instant::now(), false, a.timeout, None).await;
-        }
-        let lat = Arc::new(Mutex::new(Vec::new()));
-        let errors = Arc::new(AtomicUsize::new(0));
-        let issued = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let total = if saturate { usize::MAX } else { a.requests };
-        let t0 = Instant::now();
-        let mut hs = Vec::new();
-        for _ in 0..conc {
-            let (c, url, body, lat, errors, issued, stop) =
-                (c.clone(), url.clone(), body.clone(), lat.clone(), errors.clone(), issued.clone(), stop.clone());
-            let timeout = a.timeout;
-            hs.push(tokio::spawn(async move {
-                let mut mine = Vec::new();
-                while !stop.load(Ordering::Relaxed) && issued.fetch_add(1, Ordering::Relaxed) < total {
-                    let t = Instant::now();
-                    let o = client::send(&c, &url, body.clone(), &[], t, false, timeout, None).await;
-                    if o.error.is_some() {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        mine.push(t.elapsed().as_secs_f64() * 1000.0);
-                    }
+        for group in &groups {
+            let urls: Arc<Vec<String>> = Arc::new(group.iter().map(|t| format!("{t}/v1/completions")).collect());
+            let nt = urls.len();
+            // Warm up connections and caches.
+            for u in urls.iter() {
+                for _ in 0..conc.max(5) {
+                    let _ = client::send(&c, u, body.clone(), &[], Instant::now(), false, a.timeout, None).await;
                 }
-                lat.lock().unwrap().extend(mine);
-            }));
+            }
+            let lat: Arc<Mutex<Vec<Vec<f64>>>> = Arc::new(Mutex::new(vec![Vec::new(); nt]));
+            let errors = Arc::new(AtomicUsize::new(0));
+            let issued = Arc::new(AtomicUsize::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let total = if saturate { usize::MAX } else { a.requests * nt };
+            let t0 = Instant::now();
+            let mut hs = Vec::new();
+            for _ in 0..conc {
+                let (c, urls, body, lat, errors, issued, stop) =
+                    (c.clone(), urls.clone(), body.clone(), lat.clone(), errors.clone(), issued.clone(), stop.clone());
+                let timeout = a.timeout;
+                hs.push(tokio::spawn(async move {
+                    let mut mine = vec![Vec::new(); urls.len()];
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = issued.fetch_add(1, Ordering::Relaxed);
+                        if k >= total {
+                            break;
+                        }
+                        let j = k % urls.len();
+                        let t = Instant::now();
+                        let o = client::send(&c, &urls[j], body.clone(), &[], t, false, timeout, None).await;
+                        if o.error.is_some() {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            mine[j].push(t.elapsed().as_secs_f64() * 1000.0);
+                        }
+                    }
+                    let mut l = lat.lock().unwrap();
+                    for (j, m) in mine.into_iter().enumerate() {
+                        l[j].extend(m);
+                    }
+                }));
+            }
+            if saturate {
+                tokio::time::sleep(Duration::from_secs_f64(a.duration_s)).await;
+                stop.store(true, Ordering::Relaxed);
+            }
+            for h in hs {
+                let _ = h.await;
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let all = std::mem::take(&mut *lat.lock().unwrap());
+            for (j, mut v) in all.into_iter().enumerate() {
+                v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                let r = json!({
+                    "target": group[j],
+                    "prompt_tokens": n,
+                    "body_bytes": body.len(),
+                    "concurrency": conc,
+                    "requests": v.len(),
+                    "errors": errors.load(Ordering::Relaxed),
+                    "rps": v.len() as f64 / wall,
+                    "p50_ms": pct(&v, 50.0),
+                    "p90_ms": pct(&v, 90.0),
+                    "p99_ms": pct(&v, 99.0),
+                    "mean_ms": if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) },
+                });
+                eprintln!("loadgen {}: {r}", a.mode);
+                results.push(r);
+            }
         }
-        if saturate {
-            tokio::time::sleep(Duration::from_secs_f64(a.duration_s)).await;
-            stop.store(true, Ordering::Relaxed);
-        }
-        for h in hs {
-            let _ = h.await;
-        }
-        let wall = t0.elapsed().as_secs_f64();
-        let mut v = std::mem::take(&mut *lat.lock().unwrap());
-        v.sort_by(|x, y| x.partial_cmp(y).unwrap());
-        let r = json!({
-            "prompt_tokens": n,
-            "body_bytes": body.len(),
-            "concurrency": conc,
-            "requests": v.len(),
-            "errors": errors.load(Ordering::Relaxed),
-            "rps": v.len() as f64 / wall,
-            "p50_ms": pct(&v, 50.0),
-            "p90_ms": pct(&v, 90.0),
-            "p99_ms": pct(&v, 99.0),
-            "mean_ms": if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) },
-        });
-        eprintln!("loadgen {}: {r}", a.mode);
-        results.push(r);
     }
-    let out = json!({"label": a.label, "mode": a.mode, "target": target, "results": results});
+    let out = json!({"label": a.label, "mode": a.mode, "targets": targets, "results": results});
     if let Some(dir) = &a.out {
         let _ = std::fs::create_dir_all(dir);
         if let Err(e) = std::fs::write(format!("{dir}/summary.json"), serde_json::to_string_pretty(&out).unwrap()) {
