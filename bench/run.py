@@ -590,7 +590,8 @@ def plot(cfg, res, outdir, rawdir):
         pts = sorted(r["runs"].values(), key=lambda s: s["offered_rps_sim"])
         xs = [s["offered_rps_sim"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
         ys = [s["ttft_sim_s"]["p90"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
-        ax.plot(xs, ys, marker="o", label=f"{pol} (goodput {fmt(r.get('goodput_interp_rps_sim'), 2)})",
+        gl = (">= " if r.get("goodput_lower_bound") else "") + fmt(r.get("goodput_interp_rps_sim"), 2)
+        ax.plot(xs, ys, marker="o", label=f"{pol} (goodput {gl})",
                 lw=2.2 if pol.startswith("kvroute") or pol == "oracle" else 1.3)
     ax.axhline(cfg["slo_s"], color="grey", ls=":", lw=1)
     ax.text(ax.get_xlim()[0], cfg["slo_s"], f" SLO {cfg['slo_s']:g} s", va="bottom", fontsize=8, color="grey")
