@@ -45,11 +45,15 @@ pub struct Outcome {
 }
 
 fn header_str(h: &hyper::HeaderMap, name: &str) -> String {
-    h.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
 }
 
 /// Sends `body` to `url` and reads the (SSE or plain JSON) response to the end. Times are
 /// measured from `t0`, which the caller takes at dispatch (so the oracle's probes count).
+#[allow(clippy::too_many_arguments)]
 pub async fn send(
     c: &HttpClient,
     url: &str,
@@ -99,9 +103,17 @@ async fn send_inner(
     let streaming = header_str(resp.headers(), "content-type").starts_with("text/event-stream");
     let mut body = resp.into_body();
     if o.status != 200 {
-        let b = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let b = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
         let s = String::from_utf8_lossy(&b);
-        o.error = Some(format!("HTTP {}: {}", o.status, s.chars().take(200).collect::<String>()));
+        o.error = Some(format!(
+            "HTTP {}: {}",
+            o.status,
+            s.chars().take(200).collect::<String>()
+        ));
         o.e2e = t0.elapsed().as_secs_f64();
         return o;
     }
@@ -140,7 +152,10 @@ async fn send_inner(
             Ok(v) => {
                 o.ttft = Some(o.e2e);
                 if let Some(ch) = v["choices"].get(0) {
-                    let t = ch["text"].as_str().or(ch["message"]["content"].as_str()).unwrap_or("");
+                    let t = ch["text"]
+                        .as_str()
+                        .or(ch["message"]["content"].as_str())
+                        .unwrap_or("");
                     if keep_text {
                         o.text.push_str(t);
                     }
@@ -165,7 +180,9 @@ fn read_usage(u: &Value, o: &mut Outcome) {
     if u.is_object() {
         o.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
         o.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
-        o.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        o.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
     }
 }
 
@@ -178,7 +195,9 @@ fn handle_event(
     keep_text: bool,
 ) {
     for line in ev.split(|&b| b == b'\n') {
-        let Some(data) = line.strip_prefix(b"data:") else { continue };
+        let Some(data) = line.strip_prefix(b"data:") else {
+            continue;
+        };
         let data = data.trim_ascii();
         if data == b"[DONE]" || data.is_empty() {
             continue;
@@ -219,10 +238,18 @@ pub async fn probe(c: &HttpClient, base: &str, body: Bytes) -> Result<(u64, u64)
         .expect("request");
     let r = c.request(req).await.map_err(|e| format!("probe: {e}"))?;
     let st = r.status();
-    let b = r.into_body().collect().await.map_err(|e| format!("probe body: {e}"))?.to_bytes();
+    let b = r
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("probe body: {e}"))?
+        .to_bytes();
     if !st.is_success() {
         return Err(format!("probe HTTP {st}"));
     }
     let v: Value = serde_json::from_slice(&b).map_err(|e| format!("probe JSON: {e}"))?;
-    Ok((v["prompt_tokens"].as_u64().unwrap_or(0), v["cached_tokens"].as_u64().unwrap_or(0)))
+    Ok((
+        v["prompt_tokens"].as_u64().unwrap_or(0),
+        v["cached_tokens"].as_u64().unwrap_or(0),
+    ))
 }

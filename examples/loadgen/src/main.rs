@@ -187,8 +187,11 @@ fn parse_args() -> Result<Args, String> {
             "--mode" => a.mode = v,
             "--target" => a.target = Some(v.trim_end_matches('/').to_string()),
             "--oracle-workers" => {
-                a.oracle_workers =
-                    v.split(',').filter(|s| !s.is_empty()).map(|s| s.trim_end_matches('/').to_string()).collect()
+                a.oracle_workers = v
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.trim_end_matches('/').to_string())
+                    .collect()
             }
             "--oracle-prefill-scale" => a.oracle_prefill_scale = num!(),
             "--oracle-block-size" => a.oracle_block_size = num!(),
@@ -255,7 +258,7 @@ fn parse_args() -> Result<Args, String> {
     if a.target.is_none() && a.oracle_workers.is_empty() {
         return Err("need --target or --oracle-workers".into());
     }
-    if !(a.speed > 0.0) || !(a.sim_speedup > 0.0) {
+    if a.speed.is_nan() || a.speed <= 0.0 || a.sim_speedup.is_nan() || a.sim_speedup <= 0.0 {
         return Err("--speed and --sim-speedup must be > 0".into());
     }
     if a.block_tokens == 0 {
@@ -290,7 +293,13 @@ pub struct Pick {
 }
 
 impl Oracle {
-    fn new(workers: Vec<String>, prefill_scale: f64, held_weight: f64, block: f64, seed: u64) -> Self {
+    fn new(
+        workers: Vec<String>,
+        prefill_scale: f64,
+        held_weight: f64,
+        block: f64,
+        seed: u64,
+    ) -> Self {
         let n = workers.len();
         Oracle {
             workers,
@@ -333,7 +342,10 @@ impl Oracle {
             }
         }
         let Some((_, _, _, w)) = best else {
-            return Err(format!("every probe failed: {:?}", probes[0].as_ref().err()));
+            return Err(format!(
+                "every probe failed: {:?}",
+                probes[0].as_ref().err()
+            ));
         };
         let (prompt, cached) = *probes[w].as_ref().unwrap();
         let uncached = prompt.saturating_sub(cached) as f64;
@@ -341,7 +353,12 @@ impl Oracle {
         st.prefill[w] += uncached;
         st.held[w] += held;
         st.inflight[w] += 1;
-        Ok(Pick { worker: w, uncached, held, cached })
+        Ok(Pick {
+            worker: w,
+            uncached,
+            held,
+            cached,
+        })
     }
 
     fn first_token(&self, p: &Pick) {
@@ -393,7 +410,11 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
     let mut oracle_cached = None;
     let o = if let Some(or) = &ctx.oracle {
         match or.pick(&ctx.client, &body, job.max_tokens).await {
-            Err(e) => Outcome { error: Some(e), e2e: t0.elapsed().as_secs_f64(), ..Default::default() },
+            Err(e) => Outcome {
+                error: Some(e),
+                e2e: t0.elapsed().as_secs_f64(),
+                ..Default::default()
+            },
             Ok(p) => {
                 oracle_cached = Some(p.cached);
                 let p = Arc::new(p);
@@ -406,17 +427,40 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
                     }
                 });
                 let url = format!("{}{}", or.workers[p.worker], job.path);
-                let o = client::send(&ctx.client, &url, body, &headers, t0, job.keep_text, ctx.timeout, Some(on_first))
-                    .await;
+                let o = client::send(
+                    &ctx.client,
+                    &url,
+                    body,
+                    &headers,
+                    t0,
+                    job.keep_text,
+                    ctx.timeout,
+                    Some(on_first),
+                )
+                .await;
                 or.done(&p, released.load(std::sync::atomic::Ordering::Relaxed));
                 o
             }
         }
     } else {
         let url = format!("{}{}", ctx.target.as_deref().unwrap_or(""), job.path);
-        client::send(&ctx.client, &url, body, &headers, t0, job.keep_text, ctx.timeout, None).await
+        client::send(
+            &ctx.client,
+            &url,
+            body,
+            &headers,
+            t0,
+            job.keep_text,
+            ctx.timeout,
+            None,
+        )
+        .await
     };
-    let itl_mean = if o.gaps.is_empty() { Value::Null } else { json!(o.gaps.iter().sum::<f32>() / o.gaps.len() as f32) };
+    let itl_mean = if o.gaps.is_empty() {
+        Value::Null
+    } else {
+        json!(o.gaps.iter().sum::<f32>() / o.gaps.len() as f32)
+    };
     let mut rec = json!({
         "i": job.idx,
         "session": job.session,
@@ -458,9 +502,14 @@ fn main() {
         }
     };
     let rt = if a.threads <= 1 {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
     } else {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(a.threads).enable_all().build()
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(a.threads)
+            .enable_all()
+            .build()
     }
     .expect("runtime");
     let code = rt.block_on(async_main(a));
@@ -479,14 +528,15 @@ async fn async_main(a: Args) -> i32 {
 }
 
 async fn run(a: Args) -> i32 {
-    let oracle = (!a.oracle_workers.is_empty())
-        .then(|| Oracle::new(
+    let oracle = (!a.oracle_workers.is_empty()).then(|| {
+        Oracle::new(
             a.oracle_workers.clone(),
             a.oracle_prefill_scale,
             a.oracle_held_weight,
             a.oracle_block_size,
             a.seed,
-        ));
+        )
+    });
     let ctx = Arc::new(Ctx {
         client: client::new_client(),
         target: a.target.clone(),
@@ -538,9 +588,17 @@ async fn run(a: Args) -> i32 {
 fn write_out(dir: &str, summary: &Value, records: &[Value]) -> std::io::Result<()> {
     use std::io::Write;
     std::fs::create_dir_all(dir)?;
-    std::fs::write(format!("{dir}/summary.json"), serde_json::to_string_pretty(summary).unwrap())?;
+    std::fs::write(
+        format!("{dir}/summary.json"),
+        serde_json::to_string_pretty(summary).unwrap(),
+    )?;
     let mut sorted: Vec<&Value> = records.iter().collect();
-    sorted.sort_by(|x, y| x["t"].as_f64().partial_cmp(&y["t"].as_f64()).unwrap_or(std::cmp::Ordering::Equal));
+    sorted.sort_by(|x, y| {
+        x["t"]
+            .as_f64()
+            .partial_cmp(&y["t"].as_f64())
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     let mut f = std::io::BufWriter::new(std::fs::File::create(format!("{dir}/requests.jsonl"))?);
     for r in sorted {
         writeln!(f, "{r}")?;

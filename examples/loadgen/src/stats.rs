@@ -22,16 +22,30 @@ pub fn pct(sorted: &[f64], p: f64) -> Option<f64> {
 
 fn dist(mut v: Vec<f64>, scale: f64) -> Value {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let mean = if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64 * scale) };
+    let mean = if v.is_empty() {
+        None
+    } else {
+        Some(v.iter().sum::<f64>() / v.len() as f64 * scale)
+    };
     let p = |q| pct(&v, q).map(|x| x * scale);
     json!({"p50": p(50.0), "p90": p(90.0), "p95": p(95.0), "p99": p(99.0), "max": p(100.0), "mean": mean, "n": v.len()})
 }
 
 pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> Value {
-    let measured: Vec<&Value> =
-        records.iter().filter(|r| r["i"].as_u64().unwrap_or(0) as usize >= a.warmup).collect();
-    let ok: Vec<&Value> = measured.iter().copied().filter(|r| r["error"].is_null()).collect();
-    let errors: Vec<&Value> = measured.iter().copied().filter(|r| !r["error"].is_null()).collect();
+    let measured: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["i"].as_u64().unwrap_or(0) as usize >= a.warmup)
+        .collect();
+    let ok: Vec<&Value> = measured
+        .iter()
+        .copied()
+        .filter(|r| r["error"].is_null())
+        .collect();
+    let errors: Vec<&Value> = measured
+        .iter()
+        .copied()
+        .filter(|r| !r["error"].is_null())
+        .collect();
     let f = |r: &Value, k: &str| r[k].as_f64();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "ttft")).collect();
     let e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "e2e")).collect();
@@ -41,15 +55,28 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         .flat_map(|(_, g)| g.iter().map(|&x| x as f64))
         .collect();
     let late: Vec<f64> = measured.iter().filter_map(|r| f(r, "late")).collect();
-    let t_first = measured.iter().filter_map(|r| f(r, "t")).fold(f64::INFINITY, f64::min);
+    let t_first = measured
+        .iter()
+        .filter_map(|r| f(r, "t"))
+        .fold(f64::INFINITY, f64::min);
     let t_last = measured
         .iter()
         .filter_map(|r| Some(f(r, "t")? + f(r, "e2e")?))
         .fold(f64::NEG_INFINITY, f64::max);
     let duration = (t_last - t_first).max(1e-9);
-    let due_min = measured.iter().filter_map(|r| f(r, "due")).fold(f64::INFINITY, f64::min);
-    let due_max = measured.iter().filter_map(|r| f(r, "due")).fold(f64::NEG_INFINITY, f64::max);
-    let offered = if due_max > due_min { measured.len() as f64 / (due_max - due_min) } else { 0.0 };
+    let due_min = measured
+        .iter()
+        .filter_map(|r| f(r, "due"))
+        .fold(f64::INFINITY, f64::min);
+    let due_max = measured
+        .iter()
+        .filter_map(|r| f(r, "due"))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let offered = if due_max > due_min {
+        measured.len() as f64 / (due_max - due_min)
+    } else {
+        0.0
+    };
     let sum = |rs: &[&Value], k: &str| rs.iter().filter_map(|r| r[k].as_u64()).sum::<u64>();
     let prompt = sum(&ok, "prompt_tokens");
     let cached = sum(&ok, "cached_tokens");
@@ -57,14 +84,24 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
     let mut per: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
     for r in &ok {
         let w = r["worker"].as_str().unwrap_or("").to_string();
-        let e = per.entry(if w.is_empty() { "?".into() } else { w }).or_default();
+        let e = per
+            .entry(if w.is_empty() { "?".into() } else { w })
+            .or_default();
         e.0 += 1;
         e.1 += r["prompt_tokens"].as_u64().unwrap_or(0);
         e.2 += r["cached_tokens"].as_u64().unwrap_or(0);
     }
-    let n_workers = if a.fleet_size > 0 { a.fleet_size.max(per.len()) } else { per.len() };
+    let n_workers = if a.fleet_size > 0 {
+        a.fleet_size.max(per.len())
+    } else {
+        per.len()
+    };
     let max_req = per.values().map(|e| e.0).max().unwrap_or(0) as f64;
-    let mean_req = if n_workers > 0 { ok.len() as f64 / n_workers as f64 } else { 0.0 };
+    let mean_req = if n_workers > 0 {
+        ok.len() as f64 / n_workers as f64
+    } else {
+        0.0
+    };
     let per_worker: serde_json::Map<String, Value> = per
         .iter()
         .map(|(k, e)| {
@@ -75,7 +112,10 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
             )
         })
         .collect();
-    let mut sample_errors: Vec<String> = errors.iter().filter_map(|r| r["error"].as_str().map(String::from)).collect();
+    let mut sample_errors: Vec<String> = errors
+        .iter()
+        .filter_map(|r| r["error"].as_str().map(String::from))
+        .collect();
     sample_errors.sort();
     sample_errors.dedup();
     sample_errors.truncate(5);
@@ -139,13 +179,25 @@ pub async fn closed_loop(a: &Args) -> i32 {
         eprintln!("loadgen: --target is required in this mode");
         return 2;
     };
-    let targets: Vec<String> = target.split(',').map(|t| t.trim_end_matches('/').to_string()).collect();
+    let targets: Vec<String> = target
+        .split(',')
+        .map(|t| t.trim_end_matches('/').to_string())
+        .collect();
     let saturate = a.mode == "saturate";
-    let conc = if a.concurrency > 0 { a.concurrency } else if saturate { 32 } else { 1 };
+    let conc = if a.concurrency > 0 {
+        a.concurrency
+    } else if saturate {
+        32
+    } else {
+        1
+    };
     let c = client::new_client();
     let mut results = Vec::new();
-    let groups: Vec<Vec<String>> =
-        if saturate { targets.iter().map(|t| vec![t.clone()]).collect() } else { vec![targets.clone()] };
+    let groups: Vec<Vec<String>> = if saturate {
+        targets.iter().map(|t| vec![t.clone()]).collect()
+    } else {
+        vec![targets.clone()]
+    };
     for &n in &a.prompt_tokens {
         let mut prompt = String::with_capacity(n * 5);
         push_words(&mut prompt, seed_of(&[a.seed, 0x1a7, n as u64]), n);
@@ -155,24 +207,50 @@ pub async fn closed_loop(a: &Args) -> i32 {
         }
         let body = Bytes::from(serde_json::to_vec(&b).unwrap());
         for group in &groups {
-            let urls: Arc<Vec<String>> = Arc::new(group.iter().map(|t| format!("{t}/v1/completions")).collect());
+            let urls: Arc<Vec<String>> = Arc::new(
+                group
+                    .iter()
+                    .map(|t| format!("{t}/v1/completions"))
+                    .collect(),
+            );
             let nt = urls.len();
             // Warm up connections and caches.
             for u in urls.iter() {
                 for _ in 0..conc.max(5) {
-                    let _ = client::send(&c, u, body.clone(), &[], Instant::now(), false, a.timeout, None).await;
+                    let _ = client::send(
+                        &c,
+                        u,
+                        body.clone(),
+                        &[],
+                        Instant::now(),
+                        false,
+                        a.timeout,
+                        None,
+                    )
+                    .await;
                 }
             }
             let lat: Arc<Mutex<Vec<Vec<f64>>>> = Arc::new(Mutex::new(vec![Vec::new(); nt]));
             let errors = Arc::new(AtomicUsize::new(0));
             let issued = Arc::new(AtomicUsize::new(0));
             let stop = Arc::new(AtomicBool::new(false));
-            let total = if saturate { usize::MAX } else { a.requests * nt };
+            let total = if saturate {
+                usize::MAX
+            } else {
+                a.requests * nt
+            };
             let t0 = Instant::now();
             let mut hs = Vec::new();
             for _ in 0..conc {
-                let (c, urls, body, lat, errors, issued, stop) =
-                    (c.clone(), urls.clone(), body.clone(), lat.clone(), errors.clone(), issued.clone(), stop.clone());
+                let (c, urls, body, lat, errors, issued, stop) = (
+                    c.clone(),
+                    urls.clone(),
+                    body.clone(),
+                    lat.clone(),
+                    errors.clone(),
+                    issued.clone(),
+                    stop.clone(),
+                );
                 let timeout = a.timeout;
                 hs.push(tokio::spawn(async move {
                     let mut mine = vec![Vec::new(); urls.len()];
@@ -183,7 +261,9 @@ pub async fn closed_loop(a: &Args) -> i32 {
                         }
                         let j = k % urls.len();
                         let t = Instant::now();
-                        let o = client::send(&c, &urls[j], body.clone(), &[], t, false, timeout, None).await;
+                        let o =
+                            client::send(&c, &urls[j], body.clone(), &[], t, false, timeout, None)
+                                .await;
                         if o.error.is_some() {
                             errors.fetch_add(1, Ordering::Relaxed);
                         } else {
@@ -228,7 +308,10 @@ pub async fn closed_loop(a: &Args) -> i32 {
     let out = json!({"label": a.label, "mode": a.mode, "targets": targets, "results": results});
     if let Some(dir) = &a.out {
         let _ = std::fs::create_dir_all(dir);
-        if let Err(e) = std::fs::write(format!("{dir}/summary.json"), serde_json::to_string_pretty(&out).unwrap()) {
+        if let Err(e) = std::fs::write(
+            format!("{dir}/summary.json"),
+            serde_json::to_string_pretty(&out).unwrap(),
+        ) {
             eprintln!("loadgen: {e}");
             return 1;
         }

@@ -17,7 +17,7 @@ pub fn splitmix(state: &mut u64) -> u64 {
 
 /// Mixes several numbers into one seed.
 pub fn seed_of(parts: &[u64]) -> u64 {
-    let mut s = 0x6b76_726f_7574_65u64;
+    let mut s = 0x006b_7672_6f75_7465_u64;
     for &p in parts {
         s ^= p.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         splitmix(&mut s);

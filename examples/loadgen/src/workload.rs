@@ -55,18 +55,26 @@ pub struct Mooncake {
 
 impl Mooncake {
     pub fn load(a: &Args) -> Result<Self, String> {
-        let path = a.trace.as_deref().ok_or("--trace is required for --workload mooncake")?;
+        let path = a
+            .trace
+            .as_deref()
+            .ok_or("--trace is required for --workload mooncake")?;
         let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
         let mut reqs = Vec::new();
         for (n, line) in text.lines().enumerate().skip(a.start).take(a.count) {
             if line.trim().is_empty() {
                 continue;
             }
-            let v: Value = serde_json::from_str(line).map_err(|e| format!("{path}:{}: {e}", n + 1))?;
-            let input = v["input_length"].as_u64().ok_or(format!("{path}:{}: no input_length", n + 1))?;
+            let v: Value =
+                serde_json::from_str(line).map_err(|e| format!("{path}:{}: {e}", n + 1))?;
+            let input = v["input_length"]
+                .as_u64()
+                .ok_or(format!("{path}:{}: no input_length", n + 1))?;
             let output = v["output_length"].as_u64().unwrap_or(1).max(1);
-            let hash_ids: Vec<u64> =
-                v["hash_ids"].as_array().map(|a| a.iter().filter_map(|h| h.as_u64()).collect()).unwrap_or_default();
+            let hash_ids: Vec<u64> = v["hash_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|h| h.as_u64()).collect())
+                .unwrap_or_default();
             if hash_ids.is_empty() {
                 return Err(format!("{path}:{}: no hash_ids", n + 1));
             }
@@ -76,7 +84,11 @@ impl Mooncake {
             if a.max_input_tokens > 0 {
                 tokens = tokens.min(a.max_input_tokens);
             }
-            let max_tokens = if a.max_output > 0 { output.min(a.max_output) } else { output };
+            let max_tokens = if a.max_output > 0 {
+                output.min(a.max_output)
+            } else {
+                output
+            };
             let session = hash_ids[a.session_block.min(hash_ids.len() - 1)].to_string();
             reqs.push(TraceReq {
                 ts_ms: v["timestamp"].as_f64().unwrap_or(0.0),
@@ -122,7 +134,7 @@ impl Mooncake {
                 break;
             }
             let n = left.min(self.block_tokens);
-            push_words(&mut s, seed_of(&[self.seed, 0x7472_6163_65, h]), n);
+            push_words(&mut s, seed_of(&[self.seed, 0x0074_7261_6365, h]), n);
             left -= n;
         }
         s
@@ -134,7 +146,8 @@ impl Mooncake {
         let mut hs = Vec::with_capacity(me.reqs.len());
         for i in 0..me.reqs.len() {
             let due = (me.reqs[i].ts_ms - t0) / 1000.0 / me.speed;
-            tokio::time::sleep_until((ctx.start + Duration::from_secs_f64(due.max(0.0))).into()).await;
+            tokio::time::sleep_until((ctx.start + Duration::from_secs_f64(due.max(0.0))).into())
+                .await;
             let (me, ctx) = (me.clone(), ctx.clone());
             hs.push(tokio::spawn(async move {
                 let r = &me.reqs[i];
@@ -186,7 +199,11 @@ pub struct Synthetic {
 
 impl Synthetic {
     pub fn new(a: &Args) -> Self {
-        let max_tokens = if a.max_output > 0 { a.max_tokens.min(a.max_output) } else { a.max_tokens };
+        let max_tokens = if a.max_output > 0 {
+            a.max_tokens.min(a.max_output)
+        } else {
+            a.max_tokens
+        };
         Synthetic {
             sessions: a.sessions,
             rate: a.rate * a.speed,
@@ -223,7 +240,10 @@ impl Synthetic {
         // Completions API: the conversation is flattened into one growing prompt.
         let mut flat = String::new();
         if self.system_tokens > 0 {
-            let t = format!("System:{}", self.words(&[self.seed, 1, sys as u64], self.system_tokens));
+            let t = format!(
+                "System:{}",
+                self.words(&[self.seed, 1, sys as u64], self.system_tokens)
+            );
             flat.push_str(&t);
             msgs.push(json!({"role": "system", "content": t}));
         }
@@ -285,5 +305,42 @@ impl Synthetic {
         for h in hs {
             let _ = h.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: usize, hash_ids: &[u64]) -> TraceReq {
+        TraceReq {
+            ts_ms: 0.0,
+            tokens,
+            max_tokens: 1,
+            hash_ids: hash_ids.to_vec(),
+            session: String::new(),
+        }
+    }
+
+    #[test]
+    fn prompts_share_exactly_the_trace_prefix() {
+        let m = Mooncake {
+            reqs: Vec::new(),
+            block_tokens: 8,
+            speed: 1.0,
+            seed: 3,
+            api: Api::Completions,
+            model: String::new(),
+        };
+        let a = m.prompt(&req(24, &[0, 1, 2]));
+        let b = m.prompt(&req(20, &[0, 1, 5]));
+        let words = |s: &str| s.split(' ').skip(1).map(String::from).collect::<Vec<_>>();
+        let (wa, wb) = (words(&a), words(&b));
+        assert_eq!((wa.len(), wb.len()), (24, 20));
+        assert_eq!(wa[..16], wb[..16]);
+        assert_ne!(wa[16..20], wb[16..20]);
+        // A partial last block is a prefix of the full block.
+        let c = m.prompt(&req(19, &[0, 1, 2]));
+        assert!(a.starts_with(&c));
     }
 }
