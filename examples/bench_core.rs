@@ -702,7 +702,12 @@ fn main() {
 
     let mut idx_rows = Vec::new();
     let mut target_rows = Vec::new();
+    // BENCH_CORE_QUICK=1: only the 32k-token cases at 64 workers (for A/B comparisons).
+    let quick = std::env::var_os("BENCH_CORE_QUICK").is_some();
     for (wi, &workers) in WORKERS.iter().enumerate() {
+        if quick && workers != 64 {
+            continue;
+        }
         let before = live_heap();
         let (mut bench, routes, secs) = fill(&corpus, workers, 1000 + wi as u64);
         let router_heap = live_heap() - before;
@@ -726,6 +731,9 @@ fn main() {
             "workers", "api", "tokens", "blocks", "iters", "p50 µs", "p99 µs", "max µs", "hit%", "fin p50µs", "fin p99µs", "idx blks"
         );
         for (si, &tokens) in SIZES.iter().enumerate() {
+            if quick && tokens != 32768 {
+                continue;
+            }
             for kind in [ApiKind::Completions, ApiKind::ChatCompletions] {
                 let seed = (wi as u64) << 32 | (si as u64) << 8 | kind as u64;
                 let r = run_case(&mut bench, &corpus, kind, tokens, seed);

@@ -109,16 +109,17 @@ fn time_lookup(
 }
 
 /// Steady state at capacity: every insert evicts, so table slots are freed and reused.
-fn churn() {
+fn churn(target: usize) {
     let workers = 64u64;
     let mut ix = PrefixIndex::new(TTL_MS);
-    ix.reserve(TARGET_BLOCKS);
+    ix.reserve(target);
     for w in 0..workers {
-        ix.set_capacity(w as WorkerId, (TARGET_BLOCKS as u64 / workers) as u32);
+        ix.set_capacity(w as WorkerId, (target as u64 / workers) as u32);
     }
     let mut worst = 0u128;
     let mut total = 0u128;
-    let rounds = 3 * TARGET_BLOCKS as u64 / (CHAIN - PREFIX);
+    let mut steady = Vec::new();
+    let rounds = 3 * target as u64 / (CHAIN - PREFIX);
     for c in 0..rounds {
         let h = chain(c);
         let one = Instant::now();
@@ -127,19 +128,33 @@ fn churn() {
         total += us;
         if c > rounds / 3 {
             worst = worst.max(us);
+            steady.push(us);
         }
     }
+    steady.sort_unstable();
     println!(
-        "        churn at capacity (64 x {} blocks, 3M inserts): {} blocks, {:.1} B/block, mean insert {} µs, slowest {} µs",
-        TARGET_BLOCKS as u64 / workers,
+        "        churn at capacity (64 x {} blocks, 3M inserts): {} blocks, {:.1} B/block, mean insert {} µs, steady p50 {} µs, slowest {} µs",
+        target as u64 / workers,
         ix.blocks(),
         ix.memory_bytes() as f64 / ix.blocks() as f64,
         total / rounds as u128,
+        steady.get(steady.len() / 2).copied().unwrap_or(0),
         worst
     );
 }
 
 fn main() {
+    // `index_bench churn`: only the steady-state churn (the insert + eviction path).
+    if std::env::args().nth(1).as_deref() == Some("churn") {
+        let blocks = std::env::args()
+            .nth(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(TARGET_BLOCKS);
+        for _ in 0..3 {
+            churn(blocks);
+        }
+        return;
+    }
     println!(
         "{:>7} {:>9} {:>8} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
         "workers",
@@ -227,5 +242,5 @@ fn main() {
             );
         }
     }
-    churn();
+    churn(TARGET_BLOCKS);
 }

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
-WASM = os.path.join(ROOT, "build", "kvroute.wasm")
+WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
 
 # Same regexes as envoy/demo.yaml: label values move from stat names into Prometheus labels.
@@ -122,7 +122,16 @@ def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict |
     header; without it every decode worker sits in one cluster balanced by `policy`."""
     decode = [w for w in workers if w.role != "prefill"]
     prefill = [w for w in workers if w.role == "prefill"]
-    if kvroute is not None:
+    endpoint_mode = kvroute is not None and (kvroute.get("steering") or {}).get("mode") == "endpoint"
+    if endpoint_mode:
+        # Gateway API Inference Extension style: the filter names ip:port and an ORIGINAL_DST
+        # cluster connects there (it takes one endpoint, so the config sets fallbacks to 0).
+        header = kvroute["steering"].get("header", "x-gateway-destination-endpoint")
+        clusters = [{"name": "picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                     "connect_timeout": "0.25s",
+                     "original_dst_lb_config": {"use_http_header": True, "http_header_name": header}}]
+        routes = [{"match": {"prefix": "/"}, "route": {"cluster": "picked", "timeout": "0s"}}]
+    if kvroute is not None and not endpoint_mode:
         clusters = [cluster(w.name, w, [o for o in (prefill if w.role == "prefill" else decode) if o is not w])
                     for w in workers]
         routes = [
@@ -130,6 +139,7 @@ def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict |
              "route": {"cluster_header": "x-kvroute-cluster", "timeout": "0s", "retry_policy": RETRY}},
             {"match": {"prefix": "/"}, "route": {"cluster": decode[0].name, "timeout": "0s", "retry_policy": RETRY}},
         ]
+    if kvroute is not None:
         filters = [{
             "name": "envoy.filters.http.wasm",
             "typed_config": {

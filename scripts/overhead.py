@@ -37,10 +37,14 @@ def main() -> int:
         print(f"latency added by kvroute (Envoy with vs without the filter, same upstream), {n} requests per size")
         print("| prompt | without p50 ms | with p50 ms | added p50 ms | without p99 ms | with p99 ms | added p99 ms |")
         print("|---|---:|---:|---:|---:|---:|---:|")
-        for label, tokens in SIZES:
+        for (label, tokens), warm in [(s, w) for w in (False, True) for s in SIZES]:
             lat = {"plain": [], "kvroute": []}
+            doc = text(10_000 + tokens, int(tokens * 4.5))
             for i in range(n + 10):
-                body = json.dumps({"model": "mock-model", "prompt": text(i, int(tokens * 4.5)) , "max_tokens": 1}).encode()
+                # cold: every prompt new (each one adds all its blocks to the index);
+                # warm: one document with a new question each time (the usual chat/RAG case).
+                prompt = f"{doc} question {i}" if warm else text(i, int(tokens * 4.5))
+                body = json.dumps({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).encode()
                 for name in (("plain", "kvroute") if i % 2 else ("kvroute", "plain")):
                     c = conns[name]
                     t0 = time.perf_counter()
@@ -53,7 +57,7 @@ def main() -> int:
                     if i >= 10:  # warm-up
                         lat[name].append(dt)
             a, b = lat["plain"], lat["kvroute"]
-            print(f"| {label} | {pct(a, .5):.3f} | {pct(b, .5):.3f} | {pct(b, .5) - pct(a, .5):+.3f} "
+            print(f"| {label} {'warm' if warm else 'cold'} | {pct(a, .5):.3f} | {pct(b, .5):.3f} | {pct(b, .5) - pct(a, .5):+.3f} "
                   f"| {pct(a, .99):.3f} | {pct(b, .99):.3f} | {pct(b, .99) - pct(a, .99):+.3f} |")
     finally:
         routed.stop(workers=False)

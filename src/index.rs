@@ -4,9 +4,11 @@
 //! because without KV events from the engines our view can only age out (Dynamo's approximate
 //! mode, llm-d's per-server LRU).
 //!
-//! # Layout (52-57 bytes per block measured at 1M blocks with 1.5-1.65 holders per block)
-//! - `table`: `HashTable<u32>` of block slots. The 64-bit hash lives in the block record, not in
-//!   the table, so a bucket is 4 bytes + 1 control byte instead of 16 + 1.
+//! # Layout (45-55 bytes per block measured at 1M blocks with 1.03-1.65 holders per block)
+//! - `table`: `SlotTable` of block slots, open addressing over 64-byte lines of 12 slots (12
+//!   one-byte tags, a spill count, 12 u32 slots), sized for 3/4 load: ~7 bytes per block, and
+//!   finding, adding or removing a key reads one cache line unless its home line overflowed.
+//!   The 64-bit hash lives in the block record, not in the table.
 //! - `blocks`: paged slab of 24-byte records `{hash, a, b, sa, sb}`: up to two holders inline
 //!   (node id + touch stamp each), the common case. A third holder spills the set into an
 //!   `Overflow` record (256-bit worker bitset + (node id, stamp) pairs), so a hot shared prefix
@@ -25,6 +27,12 @@
 //! try the neighbour of the previous block's slot before probing the hash table, which turns
 //! most per-block cache misses into sequential reads.
 //!
+//! Inserting new blocks is bound by cache misses (its table line; the record, node and table
+//! line of the LRU entry each one evicts). `insert` loads them for the next 32 hashes in tight
+//! loops of independent reads before doing the work, so the misses overlap instead of
+//! following one another (no prefetch instructions: the filter runs as wasm). Eviction reuses
+//! the evicted node for the new entry, and the LRU tail stamp is re-read once per `insert`.
+//!
 //! # Semantics
 //! - An entry is expired when `now_ms - touched_ms > ttl_ms`; expired entries are misses for
 //!   `lookup` even before `expire` frees them.
@@ -35,9 +43,6 @@
 //!   recently used and capacity eviction takes the deepest blocks first. Evicting a prompt's
 //!   first block would make the rest of it useless to a leading-run lookup; engines evict
 //!   leaf-first for the same reason.
-
-use hashbrown::hash_table::Entry;
-use hashbrown::HashTable;
 
 /// Dense index into the router's worker list.
 pub type WorkerId = u16;
@@ -65,9 +70,13 @@ const LOCAL_BITS: u32 = 24;
 const LOCAL_MASK: u32 = (1 << LOCAL_BITS) - 1;
 /// Local node indices stay below this so that no node id equals `NIL`, `SPILLED` or `FREE`.
 const LOCAL_LIMIT: u32 = LOCAL_MASK - 2;
-const NODE_PAGE_BITS: u32 = 10;
-const BLOCK_PAGE_BITS: u32 = 12;
+const NODE_PAGE: usize = 1 << 10;
+const BLOCK_PAGE: usize = 1 << 12;
 const REBASE_KEEP_MS: u64 = 1 << 31;
+/// Hashes an `insert` prepares (loads ahead) at a time.
+const WARM_CHUNK: usize = 32;
+/// Table lines per key that the warm-up reads.
+const WARM_LINES: usize = 3;
 
 type Bits = [u64; 4];
 
@@ -107,7 +116,7 @@ fn local_of(id: u32) -> u32 {
 }
 
 /// Block hashes are already xxh3 output, but tests and callers may feed small integers; a
-/// multiply-xorshift spreads them over both the bucket bits and hashbrown's 7-bit tags.
+/// multiply-xorshift spreads them over both the home-line bits (high) and the tag (low byte).
 #[inline]
 fn mix(h: u64) -> u64 {
     let x = (h ^ (h >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -115,37 +124,36 @@ fn mix(h: u64) -> u64 {
 }
 
 /// Fixed-size pages addressed by a u32 index.
-struct Pages<T, const BITS: u32> {
-    pages: Vec<Box<[T]>>,
+struct Pages<T, const LEN: usize> {
+    pages: Vec<Box<[T; LEN]>>,
 }
 
-impl<T: Copy, const BITS: u32> Pages<T, BITS> {
-    const LEN: usize = 1 << BITS;
-
+impl<T: Copy, const LEN: usize> Pages<T, LEN> {
     fn new() -> Self {
         Pages { pages: Vec::new() }
     }
 
+    /// `LEN` is a power of two, so the offset in a page needs no bounds check.
     #[inline]
     fn get(&self, i: u32) -> Option<&T> {
-        self.pages
-            .get((i >> BITS) as usize)?
-            .get(i as usize & (Self::LEN - 1))
+        let page = self.pages.get(i as usize / LEN)?;
+        page.get(i as usize % LEN)
     }
 
     #[inline]
     fn get_mut(&mut self, i: u32) -> Option<&mut T> {
-        self.pages
-            .get_mut((i >> BITS) as usize)?
-            .get_mut(i as usize & (Self::LEN - 1))
+        let page = self.pages.get_mut(i as usize / LEN)?;
+        page.get_mut(i as usize % LEN)
     }
 
     fn slots(&self) -> usize {
-        self.pages.len() << BITS
+        self.pages.len() * LEN
     }
 
     fn grow(&mut self, fill: T) {
-        self.pages.push(vec![fill; Self::LEN].into_boxed_slice());
+        if let Ok(page) = vec![fill; LEN].into_boxed_slice().try_into() {
+            self.pages.push(page);
+        }
     }
 
     fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
@@ -153,8 +161,395 @@ impl<T: Copy, const BITS: u32> Pages<T, BITS> {
     }
 
     fn heap_bytes(&self) -> usize {
-        self.pages.len() * Self::LEN * core::mem::size_of::<T>()
-            + self.pages.capacity() * core::mem::size_of::<Box<[T]>>()
+        self.pages.len() * LEN * core::mem::size_of::<T>()
+            + self.pages.capacity() * core::mem::size_of::<Box<[T; LEN]>>()
+    }
+}
+
+/// Slots per table line: 12 tags + a spill count + 12 values fill one 64-byte cache line.
+const LINE_SLOTS: usize = 12;
+/// 0x01 in each byte.
+const BYTE_ONES: u64 = u64::MAX / 0xff;
+const BYTE_LOW7: u64 = BYTE_ONES * 0x7f;
+/// The high bits of the tag bytes in `Line::hi`.
+const HI_TAG_BITS: u64 = 0x8080_8080;
+const SPILL_ONE: u64 = 1 << 32;
+
+/// One cache line of the block table: 12 slots. Tags (0: empty, else 8 bits of the key's
+/// hash, never 0) are the bytes of `lo` (slots 0-7) and the low 4 bytes of `hi` (slots 8-11);
+/// the top half of `hi` is the spill count: the number of keys whose probe went past this
+/// line (home line at or before it, stored after it). A search stops at the first line with
+/// no spill, so deletion needs no tombstones. `vals[j]` is the block slot stored in slot j.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line {
+    lo: u64,
+    hi: u64,
+    vals: [u32; LINE_SLOTS],
+}
+
+const EMPTY_LINE: Line = Line {
+    lo: 0,
+    hi: 0,
+    vals: [0; LINE_SLOTS],
+};
+
+/// High bit of each byte of x that is zero (exact: no false positives).
+#[inline]
+fn zero_bytes(x: u64) -> u64 {
+    let y = (x & BYTE_LOW7).wrapping_add(BYTE_LOW7);
+    !(y | x | BYTE_LOW7)
+}
+
+/// Slots of a line, as the high bits of their tag bytes.
+#[derive(Clone, Copy)]
+struct Hits {
+    lo: u64,
+    hi: u64,
+}
+
+impl Iterator for Hits {
+    type Item = usize;
+
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        if self.lo != 0 {
+            let j = (self.lo.trailing_zeros() >> 3) as usize;
+            self.lo &= self.lo - 1;
+            Some(j)
+        } else if self.hi != 0 {
+            let j = (self.hi.trailing_zeros() >> 3) as usize;
+            self.hi &= self.hi - 1;
+            Some(8 + j)
+        } else {
+            None
+        }
+    }
+}
+
+impl Line {
+    #[inline]
+    fn spill(&self) -> u32 {
+        (self.hi >> 32) as u32
+    }
+
+    /// The slots whose tag is t (t = 0: the empty slots).
+    #[inline]
+    fn hits(&self, t: u8) -> Hits {
+        let b = u64::from(t) * BYTE_ONES;
+        Hits {
+            lo: zero_bytes(self.lo ^ b),
+            hi: zero_bytes(self.hi ^ b) & HI_TAG_BITS,
+        }
+    }
+
+    /// The slots in use.
+    #[inline]
+    fn full(&self) -> Hits {
+        let e = self.hits(0);
+        Hits {
+            lo: !e.lo & (BYTE_ONES << 7),
+            hi: !e.hi & HI_TAG_BITS,
+        }
+    }
+
+    #[inline]
+    fn set_tag(&mut self, j: usize, t: u8) {
+        if j < 8 {
+            let shift = 8 * j;
+            self.lo = (self.lo & !(0xff << shift)) | (u64::from(t) << shift);
+        } else {
+            let shift = 8 * (j & 3);
+            self.hi = (self.hi & !(0xff << shift)) | (u64::from(t) << shift);
+        }
+    }
+}
+
+#[inline]
+fn tag_of(m: u64) -> u8 {
+    let t = m as u8;
+    t | u8::from(t == 0)
+}
+
+enum Probe {
+    Found(u32),
+    Added,
+    /// Not found and no room (the table could not grow).
+    Full,
+}
+
+/// Open-addressing set of block slots keyed by the (mixed) hash of their block, one cache
+/// line per probe step: finding, adding or removing a key whose home line is not full reads
+/// one line. The line count is not a power of two (the home line is a multiply-high of the
+/// hash), so `reserve` sizes the table to what it is asked for. It grows (doubling) past
+/// 7/8 load; `reserve` sizes it for 3/4.
+struct SlotTable {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl SlotTable {
+    fn new() -> Self {
+        SlotTable {
+            lines: Vec::new(),
+            len: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn allocation_size(&self) -> usize {
+        self.lines.capacity() * core::mem::size_of::<Line>()
+    }
+
+    /// Lines needed to hold n keys at 3/4 load.
+    fn lines_for(n: usize) -> usize {
+        n.div_ceil(LINE_SLOTS * 3 / 4).max(1)
+    }
+
+    #[inline]
+    fn home(&self, m: u64) -> usize {
+        ((u128::from(m) * self.lines.len() as u128) >> 64) as usize
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 >= self.lines.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// Reads m's home line and returns a word of it, so that a loop of calls on independent
+    /// keys has their cache misses in flight together (the caller hands the result to
+    /// `black_box`).
+    #[inline]
+    fn warm(&self, m: u64) -> u32 {
+        self.lines.get(self.home(m)).map_or(0, Line::spill)
+    }
+
+    /// Reads what `find` of m reads after the home line: the records its tag matches and,
+    /// when the home line spilled, the next lines (up to `WARM_LINES` in all).
+    #[inline]
+    fn warm_probe(&self, m: u64, blocks: &Pages<Block, BLOCK_PAGE>) -> u64 {
+        let t = tag_of(m);
+        let mut i = self.home(m);
+        let mut acc = 0;
+        for _ in 0..WARM_LINES {
+            let Some(line) = self.lines.get(i) else {
+                break;
+            };
+            for j in line.hits(t) {
+                if let Some(&v) = line.vals.get(j) {
+                    acc ^= blocks.get(v).map_or(0, |x| x.hash);
+                }
+            }
+            if line.spill() == 0 {
+                break;
+            }
+            i = self.next(i);
+        }
+        acc
+    }
+
+    /// First value stored under m for which `eq` holds.
+    #[inline]
+    fn find(&self, m: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
+        let t = tag_of(m);
+        let mut i = self.home(m);
+        for _ in 0..self.lines.len() {
+            let line = self.lines.get(i)?;
+            for j in line.hits(t) {
+                if let Some(&v) = line.vals.get(j) {
+                    if eq(v) {
+                        return Some(v);
+                    }
+                }
+            }
+            if line.spill() == 0 {
+                return None;
+            }
+            i = self.next(i);
+        }
+        None
+    }
+
+    /// The value under m for which `eq` holds, or else stores v under m.
+    #[inline]
+    fn find_or_insert(
+        &mut self,
+        m: u64,
+        v: u32,
+        mut eq: impl FnMut(u32) -> bool,
+        rehash: impl Fn(u32) -> u64,
+    ) -> Probe {
+        let t = tag_of(m);
+        let n = self.lines.len();
+        let home = self.home(m);
+        let mut i = home;
+        let mut steps = 0usize;
+        // First empty slot on the probe path: (line, slot, lines before it).
+        let mut vacant = None;
+        while let Some(line) = self.lines.get(i) {
+            for j in line.hits(t) {
+                if let Some(&x) = line.vals.get(j) {
+                    if eq(x) {
+                        return Probe::Found(x);
+                    }
+                }
+            }
+            if vacant.is_none() {
+                vacant = line.hits(0).next().map(|j| (i, j, steps));
+            }
+            if line.spill() == 0 {
+                break;
+            }
+            steps += 1;
+            if steps >= n {
+                break;
+            }
+            i = self.next(i);
+        }
+        let grow = (self.len + 1) * 8 > n * LINE_SLOTS * 7;
+        let Some((at, j, steps)) = vacant.filter(|_| !grow) else {
+            // Growing, or no empty slot before the end of the key's probe: the slow way.
+            return if self.insert(m, v, rehash) {
+                Probe::Added
+            } else {
+                Probe::Full
+            };
+        };
+        if let Some(line) = self.lines.get_mut(at) {
+            line.set_tag(j, t);
+            if let Some(val) = line.vals.get_mut(j) {
+                *val = v;
+            }
+        }
+        let mut i = home;
+        for _ in 0..steps {
+            if let Some(line) = self.lines.get_mut(i) {
+                line.hi = line.hi.wrapping_add(SPILL_ONE);
+            }
+            i = self.next(i);
+        }
+        self.len += 1;
+        Probe::Added
+    }
+
+    /// Stores v under m; the caller knows that no equal key is present. `rehash` gives the
+    /// mixed hash of a stored value, for growth. False only if the table cannot grow.
+    #[inline]
+    fn insert(&mut self, m: u64, v: u32, rehash: impl Fn(u32) -> u64) -> bool {
+        if (self.len + 1) * 8 > self.lines.len() * LINE_SLOTS * 7 {
+            let want = Self::lines_for(self.len + 1).max(self.lines.len() * 2);
+            self.rebuild(want, rehash);
+        }
+        self.place(m, v)
+    }
+
+    #[inline]
+    fn place(&mut self, m: u64, v: u32) -> bool {
+        let home = self.home(m);
+        let mut i = home;
+        let mut steps = 0usize;
+        loop {
+            let Some(line) = self.lines.get_mut(i) else {
+                return false;
+            };
+            if let Some(j) = line.hits(0).next() {
+                line.set_tag(j, tag_of(m));
+                if let Some(val) = line.vals.get_mut(j) {
+                    *val = v;
+                }
+                break;
+            }
+            steps += 1;
+            if steps >= self.lines.len() {
+                return false;
+            }
+            i = self.next(i);
+        }
+        let mut i = home;
+        for _ in 0..steps {
+            if let Some(line) = self.lines.get_mut(i) {
+                line.hi = line.hi.wrapping_add(SPILL_ONE);
+            }
+            i = self.next(i);
+        }
+        self.len += 1;
+        true
+    }
+
+    /// Removes value v stored under m; false when it is not there.
+    #[inline]
+    fn remove(&mut self, m: u64, v: u32) -> bool {
+        let t = tag_of(m);
+        let home = self.home(m);
+        let mut i = home;
+        let mut steps = 0usize;
+        loop {
+            let Some(line) = self.lines.get_mut(i) else {
+                return false;
+            };
+            let found = line.hits(t).find(|&j| line.vals.get(j) == Some(&v));
+            if let Some(j) = found {
+                line.set_tag(j, 0);
+                break;
+            }
+            if line.spill() == 0 {
+                return false;
+            }
+            steps += 1;
+            if steps >= self.lines.len() {
+                return false;
+            }
+            i = self.next(i);
+        }
+        let mut i = home;
+        for _ in 0..steps {
+            if let Some(line) = self.lines.get_mut(i) {
+                if line.spill() > 0 {
+                    line.hi -= SPILL_ONE;
+                }
+            }
+            i = self.next(i);
+        }
+        self.len -= 1;
+        true
+    }
+
+    /// Makes room for n keys in total at 3/4 load.
+    fn reserve(&mut self, n: usize, rehash: impl Fn(u32) -> u64) {
+        let want = Self::lines_for(n);
+        if want > self.lines.len() {
+            self.rebuild(want, rehash);
+        }
+    }
+
+    fn rebuild(&mut self, lines: usize, rehash: impl Fn(u32) -> u64) {
+        let old = core::mem::replace(&mut self.lines, vec![EMPTY_LINE; lines]);
+        self.len = 0;
+        for line in &old {
+            for j in line.full() {
+                if let Some(&v) = line.vals.get(j) {
+                    self.place(rehash(v), v);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = u32> + '_ {
+        self.lines
+            .iter()
+            .flat_map(|l| l.full().map(move |j| l.vals[j]))
     }
 }
 
@@ -201,7 +596,7 @@ struct Overflow {
 }
 
 struct Worker {
-    nodes: Pages<Node, NODE_PAGE_BITS>,
+    nodes: Pages<Node, NODE_PAGE>,
     /// Slots handed out so far (free ones are on `free`).
     len: u32,
     free: u32,
@@ -286,6 +681,29 @@ impl Worker {
         Some(l)
     }
 
+    /// Moves the LRU node to the front for `block`: returns it and the block it held.
+    fn recycle_tail(&mut self, block: u32) -> Option<(u32, u32)> {
+        let l = self.tail;
+        let n = self.nodes.get_mut(l)?;
+        let (prev, old) = (n.prev, n.block);
+        n.block = block;
+        if self.head == l {
+            return Some((l, old));
+        }
+        let head = self.head;
+        n.prev = NIL;
+        n.next = head;
+        if let Some(p) = self.nodes.get_mut(prev) {
+            p.next = NIL;
+        }
+        self.tail = prev;
+        if let Some(h) = self.nodes.get_mut(head) {
+            h.prev = l;
+        }
+        self.head = l;
+        Some((l, old))
+    }
+
     fn release(&mut self, l: u32) {
         self.unlink(l);
         if let Some(n) = self.nodes.get_mut(l) {
@@ -299,8 +717,8 @@ impl Worker {
 
 /// Block hash -> workers holding it, with per-worker LRU capacity and TTL.
 pub struct PrefixIndex {
-    table: HashTable<u32>,
-    blocks: Pages<Block, BLOCK_PAGE_BITS>,
+    table: SlotTable,
+    blocks: Pages<Block, BLOCK_PAGE>,
     blocks_len: u32,
     blocks_free: u32,
     overflow: Vec<Overflow>,
@@ -319,7 +737,7 @@ impl PrefixIndex {
     /// `ttl_ms`: entries not touched for longer are misses. Clamped to `MAX_TTL_MS`.
     pub fn new(ttl_ms: u64) -> Self {
         PrefixIndex {
-            table: HashTable::new(),
+            table: SlotTable::new(),
             blocks: Pages::new(),
             blocks_len: 0,
             blocks_free: NIL,
@@ -350,11 +768,9 @@ impl PrefixIndex {
     /// entry inside one `insert` (tens of ms at 1M blocks), so a filter should reserve its
     /// expected size at configuration time.
     pub fn reserve(&mut self, blocks: usize) {
-        let additional = blocks.saturating_sub(self.table.len());
         let table_blocks = &self.blocks;
-        self.table.reserve(additional, |&b| {
-            table_blocks.get(b).map_or(0, |x| mix(x.hash))
-        });
+        self.table
+            .reserve(blocks, |b| table_blocks.get(b).map_or(0, |x| mix(x.hash)));
     }
 
     /// Number of leading blocks of `hashes` each worker holds: out[w] for w < out.len().
@@ -424,45 +840,156 @@ impl PrefixIndex {
         }
         let stamp = self.stamp_for(now_ms);
         let mut cursor = Cursor::new(1);
-        for &h in hashes.iter().rev() {
-            let Some(b) = self.locate_or_create(h, &mut cursor) else {
-                continue;
-            };
+        // A hash that is not next to the previous block is likely new: load what it and the
+        // hashes after it will miss on (table lines of new blocks, records and table lines of
+        // the entries they evict) all at once, so the misses overlap. Runs of blocks found
+        // next to each other (a cached prefix) need no table and no eviction: no warm-up.
+        let mut warmed = 0usize;
+        for (k, &h) in hashes.iter().rev().enumerate() {
+            let near = self.predict(h, &mut cursor);
+            if near.is_none() && warmed == 0 {
+                let end = hashes.len() - k;
+                let start = end.saturating_sub(WARM_CHUNK);
+                if let Some(chunk) = hashes.get(start..end) {
+                    self.warm_insert(wi, chunk, &cursor);
+                }
+                warmed = end - start;
+            }
+            warmed = warmed.saturating_sub(1);
+            self.insert_one(wi, cap, h, near, stamp, &mut cursor);
+        }
+        // The tail stamp is only read outside `insert`: re-read it once.
+        self.fix_tail(wi);
+    }
+
+    /// `near`: h's slot if `predict` found it.
+    fn insert_one(
+        &mut self,
+        wi: usize,
+        cap: u32,
+        h: u64,
+        near: Option<u32>,
+        stamp: u32,
+        cursor: &mut Cursor,
+    ) {
+        let located = match near {
+            Some(b) => Some((b, false)),
+            None => self.locate_or_create(h, cursor),
+        };
+        let Some((b, created)) = located else {
+            return;
+        };
+        if !created {
             if let Some(l) = self.holder_touch(b, wi, stamp) {
-                let Some(wk) = self.workers.get_mut(wi) else {
-                    return;
-                };
-                let was_tail = wk.tail == l;
-                if wk.head != l {
-                    wk.unlink(l);
-                    wk.push_front(l);
-                }
-                if was_tail {
-                    self.fix_tail(wi);
-                }
-                continue;
-            }
-            // Cannot drop block b: w does not hold it.
-            self.evict_to(wi, cap.saturating_sub(1));
-            let added = match self.workers.get_mut(wi).and_then(|wk| wk.alloc(b)) {
-                Some(l) => {
-                    let ok = self.holder_add(b, wi, l, stamp);
-                    if !ok {
-                        if let Some(wk) = self.workers.get_mut(wi) {
-                            wk.release(l);
-                        }
+                if let Some(wk) = self.workers.get_mut(wi) {
+                    if wk.head != l {
+                        wk.unlink(l);
+                        wk.push_front(l);
                     }
-                    ok
                 }
-                None => false,
-            };
-            if !added && self.holders_empty(b) {
-                self.drop_block(b);
-            }
-            if self.entries(w) == 1 {
-                self.fix_tail(wi);
+                return;
             }
         }
+        // Cannot drop block b: w does not hold it.
+        // More entries than the capacity only after a capacity change that did not evict:
+        // never happens, but evict down to it.
+        while let Some(wk) = self.workers.get(wi) {
+            if wk.count <= cap || wk.tail == NIL {
+                break;
+            }
+            let tail = wk.tail;
+            self.drop_entry(wi, tail);
+        }
+        let at_cap = self
+            .workers
+            .get(wi)
+            .is_some_and(|wk| wk.count >= cap && wk.tail != NIL);
+        let slot = if at_cap {
+            // Evict the LRU entry and reuse its node for b.
+            self.workers
+                .get_mut(wi)
+                .and_then(|wk| wk.recycle_tail(b))
+                .map(|(l, old)| {
+                    if self.holder_remove(old, wi) {
+                        self.drop_block(old);
+                    }
+                    l
+                })
+        } else {
+            self.workers.get_mut(wi).and_then(|wk| wk.alloc(b))
+        };
+        let added = match slot {
+            Some(l) => {
+                let ok = self.holder_add(b, wi, l, stamp);
+                if !ok {
+                    if let Some(wk) = self.workers.get_mut(wi) {
+                        wk.release(l);
+                    }
+                }
+                ok
+            }
+            None => false,
+        };
+        if !added && self.holders_empty(b) {
+            self.drop_block(b);
+        }
+    }
+
+    /// Loads what inserting `chunk` (last to first) for worker wi is about to miss on: the
+    /// table lines of the hashes that are not next to the previous block (likely new) and
+    /// the records their tags point at, then the records and table lines of the LRU entries
+    /// their insertion will evict. Each round is a tight loop of independent loads, so the
+    /// misses are in flight together rather than one after another. Only a hint: nothing is
+    /// changed.
+    fn warm_insert(&self, wi: usize, chunk: &[u64], cursor: &Cursor) {
+        let mut acc = 0u64;
+        let mut c = Cursor {
+            prev: cursor.prev,
+            step: cursor.step,
+            fresh: cursor.fresh,
+        };
+        let mut ms = [0u64; WARM_CHUNK];
+        let mut n = 0usize;
+        for &h in chunk.iter().rev() {
+            if self.predict(h, &mut c).is_none() {
+                c.fresh = true;
+                if let Some(m) = ms.get_mut(n) {
+                    *m = mix(h);
+                    n += 1;
+                }
+            }
+        }
+        for &m in ms.iter().take(n) {
+            acc ^= u64::from(self.table.warm(m));
+        }
+        for &m in ms.iter().take(n) {
+            acc ^= self.table.warm_probe(m, &self.blocks);
+        }
+        let Some(wk) = self.workers.get(wi) else {
+            return;
+        };
+        let evict = (wk.count + n as u32).saturating_sub(wk.cap) as usize;
+        let mut ids = [NIL; WARM_CHUNK];
+        let mut e = 0usize;
+        let mut l = wk.tail;
+        for id in ids.iter_mut().take(evict) {
+            let Some(node) = wk.nodes.get(l) else {
+                break;
+            };
+            *id = node.block;
+            l = node.prev;
+            e += 1;
+        }
+        for &b in ids.iter().take(e) {
+            acc ^= self.blocks.get(b).map_or(0, |x| x.hash);
+        }
+        for &b in ids.iter().take(e) {
+            acc ^= self
+                .blocks
+                .get(b)
+                .map_or(0, |x| u64::from(self.table.warm(mix(x.hash))));
+        }
+        core::hint::black_box(acc);
     }
 
     /// Correction: worker w holds only the first `keep` of `hashes`; drop its entries for
@@ -624,15 +1151,18 @@ impl PrefixIndex {
         let blocks = &self.blocks;
         let b = self
             .table
-            .find(mix(h), |&b| blocks.get(b).is_some_and(|x| x.hash == h))
-            .copied()?;
+            .find(mix(h), |b| blocks.get(b).is_some_and(|x| x.hash == h))?;
         cursor.prev = b;
+        cursor.fresh = false;
         Some(b)
     }
 
     /// A live slot whose hash is h is h's slot: every live slot is in the table, keys unique.
     #[inline]
     fn predict(&self, h: u64, cursor: &mut Cursor) -> Option<u32> {
+        if cursor.fresh {
+            return None;
+        }
         for step in [cursor.step, cursor.step.wrapping_neg()] {
             let cand = cursor.prev.wrapping_add(step);
             if let Some(blk) = self.blocks.get(cand) {
@@ -646,59 +1176,54 @@ impl PrefixIndex {
         None
     }
 
-    fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<u32> {
-        if let Some(b) = self.predict(h, cursor) {
-            return Some(b);
-        }
+    /// Slot of h, created without holders when h is not indexed; true when created.
+    /// `predict` already failed for h.
+    fn locate_or_create(&mut self, h: u64, cursor: &mut Cursor) -> Option<(u32, bool)> {
         let next = if self.blocks_free != NIL {
             self.blocks_free
         } else if self.blocks_len < FREE {
+            if self.blocks_len as usize >= self.blocks.slots() {
+                self.blocks.grow(FREE_BLOCK);
+            }
             self.blocks_len
         } else {
             // 4 billion blocks: only reachable by misuse; refuse rather than wrap.
-            return self.locate(h, cursor);
+            return self.locate(h, cursor).map(|b| (b, false));
         };
         let blocks = &self.blocks;
-        let entry = self.table.entry(
+        let probe = self.table.find_or_insert(
             mix(h),
-            |&b| blocks.get(b).is_some_and(|x| x.hash == h),
-            |&b| blocks.get(b).map_or(0, |x| mix(x.hash)),
+            next,
+            |b| blocks.get(b).is_some_and(|x| x.hash == h),
+            |b| blocks.get(b).map_or(0, |x| mix(x.hash)),
         );
-        let b = match entry {
-            Entry::Occupied(e) => *e.get(),
-            Entry::Vacant(v) => {
-                v.insert(next);
+        match probe {
+            Probe::Found(b) => {
+                cursor.prev = b;
+                cursor.fresh = false;
+                Some((b, false))
+            }
+            Probe::Added => {
                 if next == self.blocks_free {
                     self.blocks_free = self.blocks.get(next).map_or(NIL, |x| x.a);
                 } else {
-                    if self.blocks_len as usize >= self.blocks.slots() {
-                        self.blocks.grow(FREE_BLOCK);
-                    }
                     self.blocks_len += 1;
                 }
-                match self.blocks.get_mut(next) {
-                    Some(blk) => {
-                        *blk = Block {
-                            hash: h,
-                            a: NIL,
-                            b: NIL,
-                            sa: 0,
-                            sb: 0,
-                        }
-                    }
-                    None => {
-                        // Unreachable (the slot was just allocated); keep the table consistent.
-                        if let Ok(e) = self.table.find_entry(mix(h), |&x| x == next) {
-                            e.remove();
-                        }
-                        return None;
-                    }
+                if let Some(blk) = self.blocks.get_mut(next) {
+                    *blk = Block {
+                        hash: h,
+                        a: NIL,
+                        b: NIL,
+                        sa: 0,
+                        sb: 0,
+                    };
                 }
-                next
+                cursor.prev = next;
+                cursor.fresh = true;
+                Some((next, true))
             }
-        };
-        cursor.prev = b;
-        Some(b)
+            Probe::Full => None,
+        }
     }
 
     fn drop_block(&mut self, b: u32) {
@@ -708,9 +1233,7 @@ impl PrefixIndex {
         if blk.b == FREE {
             return;
         }
-        if let Ok(e) = self.table.find_entry(mix(blk.hash), |&x| x == b) {
-            e.remove();
-        }
+        self.table.remove(mix(blk.hash), b);
         let free = self.blocks_free;
         if let Some(blk) = self.blocks.get_mut(b) {
             *blk = Block {
@@ -944,6 +1467,15 @@ impl PrefixIndex {
     }
 
     fn remove_node(&mut self, wi: usize, l: u32) {
+        let was_tail = self.workers.get(wi).is_some_and(|wk| wk.tail == l);
+        self.drop_entry(wi, l);
+        if was_tail {
+            self.fix_tail(wi);
+        }
+    }
+
+    /// Removes node l of worker wi without updating `tail_stamp`.
+    fn drop_entry(&mut self, wi: usize, l: u32) {
         let Some(wk) = self.workers.get_mut(wi) else {
             return;
         };
@@ -953,13 +1485,9 @@ impl PrefixIndex {
         if b == NIL {
             return;
         }
-        let was_tail = wk.tail == l;
         wk.release(l);
         if self.holder_remove(b, wi) {
             self.drop_block(b);
-        }
-        if was_tail {
-            self.fix_tail(wi);
         }
     }
 
@@ -981,11 +1509,17 @@ impl PrefixIndex {
 struct Cursor {
     prev: u32,
     step: u32,
+    /// `prev` was just created: its neighbours are unrelated blocks, do not try them.
+    fresh: bool,
 }
 
 impl Cursor {
     fn new(step: u32) -> Self {
-        Cursor { prev: NIL, step }
+        Cursor {
+            prev: NIL,
+            step,
+            fresh: false,
+        }
     }
 }
 
@@ -1018,7 +1552,7 @@ impl PrefixIndex {
             }
         }
         assert_eq!(live, self.table.len(), "live slots not all indexed");
-        for b in self.table.iter().copied() {
+        for b in self.table.values() {
             let blk = self.blocks.get(b).expect("block slot");
             assert_ne!(blk.b, FREE);
             assert_eq!(
@@ -1336,6 +1870,128 @@ mod tests {
             "{per_block} bytes per block"
         );
         ix.check();
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod table_props {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    /// Spill counts recomputed from where every key sits, and every key found again.
+    fn check(t: &SlotTable, keys: &HashMap<u32, u64>) {
+        let n = t.lines.len();
+        let mut spill = vec![0u32; n];
+        let mut len = 0;
+        for (at, line) in t.lines.iter().enumerate() {
+            for j in line.full() {
+                let v = line.vals[j];
+                let m = keys[&v];
+                let mut i = t.home(m);
+                while i != at {
+                    spill[i] += 1;
+                    i = t.next(i);
+                }
+                len += 1;
+            }
+        }
+        assert_eq!(len, t.len());
+        assert_eq!(len, keys.len());
+        for (i, line) in t.lines.iter().enumerate() {
+            assert_eq!(line.spill(), spill[i], "spill of line {i}");
+        }
+        for (&v, &m) in keys {
+            assert_eq!(t.find(m, |x| x == v), Some(v));
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Add(u64),
+        Remove(usize),
+        Reserve(usize),
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        /// Against a map, with few distinct home lines and tags (long probes, wrap-around at
+        /// the last line, tag collisions) and growth from empty.
+        #[test]
+        fn slot_table_matches_a_map(
+            ops in prop::collection::vec(prop_oneof![
+                8 => (0u64..64).prop_map(Op::Add),
+                5 => (0usize..1000).prop_map(Op::Remove),
+                1 => (0usize..200).prop_map(Op::Reserve),
+            ], 1..300),
+            skew in proptest::arbitrary::any::<bool>(),
+        ) {
+            let mut t = SlotTable::new();
+            let mut keys: HashMap<u32, u64> = HashMap::new();
+            let mut next = 0u32;
+            for op in ops {
+                match op {
+                    Op::Add(k) => {
+                        // Skewed: keys share a few top bits (home lines) and tags.
+                        let m = if skew { (k % 3) << 62 | (k % 5) << 8 | k } else { mix(k + 1) };
+                        let present = keys.iter().find(|&(_, &x)| x == m).map(|(&v, _)| v);
+                        let r = {
+                            let keys = &keys;
+                            t.find_or_insert(m, next, |v| keys.get(&v) == Some(&m), |v| keys[&v])
+                        };
+                        match (r, present) {
+                            (Probe::Found(v), Some(p)) => prop_assert_eq!(v, p),
+                            (Probe::Added, None) => {
+                                keys.insert(next, m);
+                                next += 1;
+                            }
+                            _ => prop_assert!(false, "find_or_insert disagrees with the map"),
+                        }
+                    }
+                    Op::Remove(i) => {
+                        let Some((&v, &m)) = keys.iter().nth(i % keys.len().max(1)) else { continue };
+                        prop_assert!(!t.remove(m, v + 1_000_000));
+                        prop_assert!(t.remove(m, v));
+                        keys.remove(&v);
+                        prop_assert!(!t.remove(m, v));
+                    }
+                    Op::Reserve(n) => {
+                        let keys = &keys;
+                        t.reserve(n, |v| keys[&v]);
+                        prop_assert!(t.lines.len() * LINE_SLOTS * 3 / 4 >= n);
+                    }
+                }
+                check(&t, &keys);
+            }
+        }
+    }
+
+    #[test]
+    fn full_lines_wrap_around_and_removal_unwinds_spill() {
+        let mut t = SlotTable::new();
+        let keys: HashMap<u32, u64> = HashMap::new();
+        t.reserve(40, |_| 0);
+        let mut keys = keys;
+        // Every key homes at the last line: they fill it and wrap to line 0, 1, ...
+        let m0 = u64::MAX;
+        for v in 0..30u32 {
+            let m = m0 - u64::from(v) * 256;
+            assert!(t.insert(m, v, |x| keys[&x]));
+            keys.insert(v, m);
+        }
+        let last = t.lines.len() - 1;
+        assert_eq!(t.home(m0), last);
+        assert!(t.lines[last].spill() > 0);
+        check(&t, &keys);
+        for v in 0..30u32 {
+            assert!(t.remove(keys[&v], v));
+            keys.remove(&v);
+            check(&t, &keys);
+        }
+        assert!(t
+            .lines
+            .iter()
+            .all(|l| l.spill() == 0 && l.full().next().is_none()));
     }
 }
 

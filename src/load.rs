@@ -6,6 +6,8 @@
 //! VM would otherwise leak load forever.
 
 use crate::index::WorkerId;
+use core::hash::{BuildHasherDefault, Hasher};
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
 /// Globally unique across Envoy threads: the replicating VM's id sits in the high bits.
@@ -62,6 +64,39 @@ impl Default for LoadParams {
     }
 }
 
+/// Block hashes are already hash output (xxh3), so the map only needs them spread over
+/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): one multiply-xorshift
+/// instead of a general-purpose hash.
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        let x = (self.0 ^ (self.0 >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 29)
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        self.0 ^= x;
+    }
+}
+
+type BlockRefs = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
+
+/// A worker's block map keeps its allocation when it empties if it holds at most this many
+/// entries (a 128k-token prompt's 8k blocks do not stay allocated on every worker that saw
+/// one); a map that is mostly empty is shrunk.
+const KEEP_REFS: usize = 4096;
+
 #[derive(Debug, Clone)]
 struct Active {
     worker: WorkerId,
@@ -86,13 +121,30 @@ struct WorkerLoad {
     prefill_horizon_ms: u64,
     /// Active prompt blocks with the number of requests holding each: shared prefixes
     /// count once, as they do in the engine's paged KV cache.
-    block_refs: HashMap<u64, u32>,
+    block_refs: BlockRefs,
+    /// Active requests with blocks charged here (the contributors to `block_refs`).
+    holders: u32,
     private_blocks: u64,
     report: Option<Report>,
     unhealthy_until_ms: u64,
     failures: u32,
     fresh_blocks: f64,
     fresh_at_ms: u64,
+}
+
+impl WorkerLoad {
+    /// Bounds the block map's allocation after releases.
+    fn trim(&mut self) {
+        let cap = self.block_refs.capacity();
+        if cap <= KEEP_REFS {
+            return;
+        }
+        if self.block_refs.is_empty() {
+            self.block_refs = BlockRefs::default();
+        } else if self.block_refs.len() * 8 < cap {
+            self.block_refs.shrink_to(self.block_refs.len() * 2);
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -176,8 +228,14 @@ impl LoadTable {
         if let Some(w) = self.workers.get_mut(usize::from(r.worker)) {
             w.inflight += 1;
             w.private_blocks += u64::from(r.tail_blocks);
-            for h in r.blocks.iter().take(charged) {
-                *w.block_refs.entry(*h).or_insert(0) += 1;
+            if charged > 0 {
+                if w.block_refs.is_empty() {
+                    w.block_refs.reserve(charged);
+                }
+                for h in r.blocks.iter().take(charged) {
+                    *w.block_refs.entry(*h).or_insert(0) += 1;
+                }
+                w.holders += 1;
             }
             let decayed = decay(
                 w.fresh_blocks,
@@ -226,6 +284,9 @@ impl LoadTable {
         }
         if a.charged < a.blocks.len() {
             if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
+                if a.charged == 0 {
+                    w.holders += 1;
+                }
                 for h in a.blocks.iter().skip(a.charged) {
                     *w.block_refs.entry(*h).or_insert(0) += 1;
                 }
@@ -237,24 +298,46 @@ impl LoadTable {
 
     /// The request ended (or failed): release everything it holds.
     pub fn free(&mut self, id: RequestId) -> bool {
-        if !self.active.contains_key(&id) {
-            return false;
-        }
-        self.prefill_done(id);
         let Some(a) = self.active.remove(&id) else {
             return false;
         };
+        if a.prefill_pending {
+            // What `prefill_done` does, except charging the rest of the blocks only to release
+            // them right away.
+            if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
+                pw.prefill_tokens = pw
+                    .prefill_tokens
+                    .saturating_sub(u64::from(a.prefill_tokens));
+                pw.pending.retain(|x| *x != id);
+                if pw.pending.is_empty() {
+                    pw.prefill_horizon_ms = 0;
+                }
+            }
+        }
         if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
             w.inflight = w.inflight.saturating_sub(1);
             w.private_blocks = w.private_blocks.saturating_sub(u64::from(a.tail_blocks));
-            for h in a.blocks.iter().take(a.charged) {
-                if let Some(c) = w.block_refs.get_mut(h) {
-                    *c -= 1;
-                    if *c == 0 {
-                        w.block_refs.remove(h);
+            if a.charged > 0 {
+                if w.holders <= 1 {
+                    // The only contributor: the map holds exactly its blocks.
+                    w.block_refs.clear();
+                } else {
+                    for h in a.blocks.iter().take(a.charged) {
+                        if let Entry::Occupied(mut e) = w.block_refs.entry(*h) {
+                            if *e.get() <= 1 {
+                                e.remove();
+                            } else {
+                                *e.get_mut() -= 1;
+                            }
+                        }
                     }
                 }
+                w.holders = w.holders.saturating_sub(1);
+                w.trim();
             }
+        }
+        if self.active.capacity() > KEEP_REFS && self.active.len() * 8 < self.active.capacity() {
+            self.active.shrink_to(self.active.len() * 2);
         }
         true
     }
@@ -339,6 +422,17 @@ impl LoadTable {
             .sum()
     }
 
+    /// Heap bytes held by the per-worker block maps and the active-request map (the request
+    /// records' own block lists excluded).
+    pub fn memory_bytes(&self) -> usize {
+        self.workers
+            .iter()
+            .map(|w| w.block_refs.allocation_size() + w.pending.capacity() * 8)
+            .sum::<usize>()
+            + self.active.allocation_size()
+            + self.workers.capacity() * core::mem::size_of::<WorkerLoad>()
+    }
+
     /// Totals across workers, for tests and metrics: (inflight, prefill tokens, active blocks).
     pub fn totals(&self) -> (u64, u64, u64) {
         self.workers.iter().fold((0, 0, 0), |(i, p, b), w| {
@@ -405,6 +499,66 @@ mod tests {
         assert!(!t.free(2));
         assert_eq!(t.totals(), (0, 0, 0));
         assert_eq!(t.active_requests(), 0);
+    }
+
+    #[test]
+    fn block_maps_do_not_keep_a_burst_allocated() {
+        let mut t = LoadTable::new(4, LoadParams::default());
+        let empty = t.memory_bytes();
+        // A burst of long prompts, several per worker, with shared prefixes.
+        let prompts: Vec<Vec<u64>> = (0..16u64)
+            .map(|i| {
+                (0..8192u64)
+                    .map(|b| if b < 512 { b } else { i << 32 | b })
+                    .collect()
+            })
+            .collect();
+        for (i, p) in prompts.iter().enumerate() {
+            assert!(t.add(&req(i as u64, (i % 4) as u16, p, 0, 100, 0)));
+        }
+        let v = t.view(1, 0, 0);
+        assert_eq!(v.active_blocks, 512 + 4 * (8192 - 512) + 4);
+        let full = t.memory_bytes();
+        assert!(full > 4 * 8192 * 12, "{full}");
+        // Free all but one request per worker: the maps shrink to what is left.
+        for i in 4..16u64 {
+            assert!(t.free(i));
+        }
+        assert_eq!(t.view(1, 0, 0).active_blocks, 8192 + 1);
+        for i in 0..4u64 {
+            assert!(t.free(i));
+        }
+        assert_eq!(t.totals(), (0, 0, 0));
+        let after = t.memory_bytes();
+        assert!(
+            after <= empty + 4 * 1024,
+            "{empty} -> {full} -> {after} bytes"
+        );
+        // Small maps keep their allocation (no reallocation per request).
+        t.add(&req(100, 0, &prompts[0][..1000], 0, 100, 0));
+        let small = t.memory_bytes();
+        t.free(100);
+        assert_eq!(t.memory_bytes(), small);
+    }
+
+    #[test]
+    fn sole_holder_free_and_shared_free_agree() {
+        let mut t = LoadTable::new(1, LoadParams::default());
+        let a = [1, 2, 3, 4];
+        let b = [1, 2, 5];
+        t.add(&req(1, 0, &a, 0, 0, 0));
+        t.add(&req(2, 0, &b, 0, 0, 0));
+        t.add(&req(3, 0, &[], 0, 0, 0)); // holds no blocks
+        assert_eq!(t.view(0, 0, 0).active_blocks, 5 + 3);
+        t.free(1); // shared: per-block release
+        assert_eq!(t.view(0, 0, 0).active_blocks, 3 + 2);
+        t.free(2); // sole holder of blocks: cleared at once
+        assert_eq!(t.view(0, 0, 0).active_blocks, 1);
+        t.add(&req(4, 0, &a, 0, 0, 0));
+        assert_eq!(t.view(0, 0, 0).active_blocks, 4 + 2);
+        t.free(3);
+        t.free(4);
+        assert_eq!(t.totals(), (0, 0, 0));
     }
 
     #[test]
@@ -564,8 +718,9 @@ mod props {
             let mut t = LoadTable::new(4, p);
             let mut now = 0;
             let mut next = 0u64;
+            let mut model: Vec<(u64, u16, Vec<u64>, usize)> = Vec::new();
             for o in ops {
-                match o {
+                match o.clone() {
                     Op::Add { w, blocks, cached, tokens } => {
                         next += 1;
                         t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: &blocks, cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now });
@@ -574,14 +729,33 @@ mod props {
                     Op::Free(i) => { t.free(i as u64); }
                     Op::Expire(dt) => { now += dt; t.expire(now); }
                 }
+                // Model: (worker, blocks, charged) of every request still active.
+                match o {
+                    Op::Add { w, blocks, cached, tokens } if t.contains(next) && !model.iter().any(|m| m.0 == next) => {
+                        let charged = if staged && tokens > 0 { (cached as usize).min(blocks.len()) } else { blocks.len() };
+                        model.push((next, w, blocks, charged));
+                    }
+                    Op::PrefillDone(i) => {
+                        if let Some(m) = model.iter_mut().find(|m| m.0 == i as u64) {
+                            m.3 = m.2.len();
+                        }
+                    }
+                    _ => {}
+                }
+                model.retain(|m| t.contains(m.0));
                 for w in 0..4 {
                     let v = t.view(w, now, 0);
                     prop_assert!(v.prefill_tokens >= 0.0);
+                    let mine: Vec<_> = model.iter().filter(|m| m.1 == w).collect();
+                    let distinct: std::collections::BTreeSet<u64> = mine.iter().flat_map(|m| m.2[..m.3].iter().copied()).collect();
+                    prop_assert_eq!(v.active_blocks, distinct.len() as u64 + mine.len() as u64, "worker {}", w);
+                    prop_assert_eq!(v.inflight as usize, mine.len());
                 }
             }
             t.expire(u64::MAX);
             prop_assert_eq!(t.totals(), (0, 0, 0));
             for w in 0..4 { prop_assert_eq!(t.view(w, now, 0).prefill_tokens, 0.0); }
+            prop_assert!(t.memory_bytes() < 64 * 1024);
         }
     }
 }

@@ -58,6 +58,7 @@ impl Http {
         let t0 = now_ns();
         let now = now_ms();
         let outcome = self.with(|s| {
+            s.start_serving();
             let res = s.router.route(kind, body, now);
             s.metrics
                 .route_time_us

@@ -26,39 +26,119 @@ pub struct State {
     pub metrics: Metrics,
     bus: HostBus,
     repl: Option<Replicator>,
+    /// This VM has routed a request; until then replicated events wait in `backlog`.
+    serving: bool,
+    backlog: Backlog,
+    /// Events for the other VMs, sent by `run_deferred`.
+    outbox: Vec<Event>,
+    wake_pending: bool,
+}
+
+/// Raw replication messages kept by a VM that does not route (yet), oldest dropped first.
+#[derive(Default)]
+struct Backlog {
+    msgs: std::collections::VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+/// Enough for the recent history a late-starting worker thread needs.
+const BACKLOG_BYTES: usize = 8 << 20;
+
+impl Backlog {
+    fn push(&mut self, msg: Vec<u8>) {
+        self.bytes += msg.len();
+        self.msgs.push_back(msg);
+        while self.bytes > BACKLOG_BYTES {
+            match self.msgs.pop_front() {
+                Some(old) => self.bytes -= old.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn take_all(&mut self) -> Vec<Vec<u8>> {
+        self.bytes = 0;
+        self.msgs.drain(..).collect()
+    }
 }
 
 impl State {
-    /// Sends events this VM already applied to every other VM.
+    /// Queues events this VM already applied for the other VMs. They leave in one message
+    /// from `on_queue_ready`, after the callback that produced them returned, so request
+    /// callbacks only push onto a vector.
     pub fn broadcast(&mut self, evs: &[Event]) {
         if evs.is_empty() {
             return;
         }
-        if let Some(r) = &mut self.repl {
-            let msg = events::encode(now_ns(), evs);
-            let n = r.broadcast(&self.bus, now_ms(), &msg);
-            self.metrics.repl_sent.add(n as u64);
+        self.outbox.extend_from_slice(evs);
+        self.schedule();
+    }
+
+    /// Runs the index inserts of this VM's own decisions outside the request path.
+    pub fn defer_flush(&mut self) {
+        self.schedule();
+    }
+
+    /// Makes sure deferred work runs soon: a self-addressed wake-up, which Envoy delivers as
+    /// `on_queue_ready` once the current callback is done. Without a queue, work runs now.
+    fn schedule(&mut self) {
+        if self.wake_pending {
+            return;
+        }
+        if self.repl.as_ref().is_some_and(|r| r.wake_self(&self.bus)) {
+            self.wake_pending = true;
+        } else {
+            self.run_deferred();
         }
     }
 
-    /// Runs the index inserts of this VM's own decisions outside the request path: after
-    /// the callback that routed returns, Envoy delivers the self-addressed wake-up.
-    pub fn defer_flush(&mut self) {
-        let woke = self.repl.as_ref().is_some_and(|r| r.wake_self(&self.bus));
-        if !woke {
-            self.router.flush();
+    fn run_deferred(&mut self) {
+        self.wake_pending = false;
+        self.router.flush();
+        if self.outbox.is_empty() {
+            return;
+        }
+        let evs = core::mem::take(&mut self.outbox);
+        if let Some(r) = &mut self.repl {
+            let msg = events::encode(now_ns(), &evs);
+            let n = r.broadcast(&self.bus, now_ms(), &msg);
+            self.metrics.repl_sent.add((n * evs.len()) as u64);
         }
     }
 
     fn drain(&mut self) {
-        self.router.flush();
+        self.run_deferred();
         let Some(r) = &self.repl else { return };
-        let now = now_ms();
         for msg in r.drain(&self.bus, DRAIN_MAX) {
             if msg.is_empty() {
                 continue; // a wake-up, see defer_flush
             }
-            match events::decode(&msg) {
+            if self.serving {
+                self.apply_message(&msg);
+            } else {
+                self.backlog.push(msg);
+            }
+        }
+    }
+
+    /// Called before this VM routes for the first time. Envoy's main-thread VM (and any
+    /// worker thread that has not seen traffic yet) only keeps a bounded backlog of raw
+    /// messages instead of applying every event: on two cores, replaying each decision on
+    /// the main thread measurably slowed the worker threads. The backlog is applied here.
+    pub fn start_serving(&mut self) {
+        if self.serving {
+            return;
+        }
+        self.serving = true;
+        for msg in self.backlog.take_all() {
+            self.apply_message(&msg);
+        }
+    }
+
+    fn apply_message(&mut self, msg: &[u8]) {
+        let now = now_ms();
+        {
+            match events::decode(msg) {
                 Ok((sent_ns, evs)) => {
                     self.metrics.repl_received.add(evs.len() as u64);
                     self.metrics.repl_delay_us.record(now_ns().saturating_sub(sent_ns) / 1000);
@@ -193,6 +273,10 @@ impl RootContext for Root {
             metrics,
             bus,
             repl,
+            serving: false,
+            backlog: Backlog::default(),
+            outbox: Vec::new(),
+            wake_pending: false,
         })));
         let _ = hostcalls::set_tick_period(TICK);
         true

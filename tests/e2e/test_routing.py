@@ -218,3 +218,17 @@ def test_invalid_config_is_rejected_naming_the_field():
         assert "workers[0].kv_blocks" in log, log[-2000:]
     finally:
         s.stop()
+
+
+def test_endpoint_mode_steers_by_ip_and_port():
+    with Stack(decode_fleet(3), kvroute={"steering": {"mode": "endpoint", "fallbacks": 0}}) as s:
+        doc = text(41, 12000)
+        h0, _ = ok(s, completion(doc + " a"))
+        assert h0["x-worker-id"] == worker_of(h0)
+        for i in range(4):
+            h, body = ok(s, completion(f"{doc} b{i}"))
+            assert worker_of(h) == worker_of(h0) == h["x-worker-id"]
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        with ThreadPoolExecutor(9) as ex:
+            served = Counter(ex.map(lambda i: ok(s, completion(text(500 + i, 3000), max_tokens=32))[0]["x-worker-id"], range(18)))
+        assert len(served) == 3, served
