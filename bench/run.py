@@ -1,0 +1,722 @@
+#!/usr/bin/env python3
+"""kvroute benchmark suite: every routing policy against the same simulated fleet.
+
+For each policy and each arrival speed it starts a fresh fleet of mock workers, the router
+under test (Envoy with kvroute, Envoy with a built-in lb_policy, sglang-router, vllm-router,
+or none for the oracle, which routes inside the load generator), replays a slice of a
+Mooncake trace with examples/loadgen, then stops everything. All processes listen on random
+free 127.0.0.1 ports and are stopped on exit, error or Ctrl-C.
+
+Results go to bench/results/<name>/: results.json (every summary, goodput, overhead),
+results.md (tables), PNG plots; raw per-request JSONL and logs under raw/ (not committed).
+
+Usage: bench/run.py --preset quick|full [--name NAME] [--policies a,b] [--speeds 1,2]
+Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for the plots.
+"""
+
+import argparse
+import atexit
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.path.join(ROOT, "build")
+ENVOY = os.path.join(ROOT, ".venv", "bin", "envoy")  # the project venv (make venv)
+SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
+VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
+MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
+LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
+WASM = os.path.join(BUILD, "kvroute.wasm")
+TEMPLATES = os.path.join(ROOT, "bench", "envoy")
+MODEL = "mock-model"
+
+# Fleet and workload. The fleet runs the Dynamo mocker timing model; --speedup compresses
+# simulated time, and every latency is reported in simulated seconds (wall x speedup).
+COMMON = dict(
+    workers=8,
+    speedup=4.0,
+    kv_blocks=65536,  # 1M tokens per worker at block size 16 (Dynamo's mocker: 16384 x 64)
+    block_size=16,
+    max_num_seqs=64,
+    max_batched_tokens=8192,
+    trace="conversation_trace.jsonl",
+    block_tokens=512,  # trace blocks replayed at full size (smaller values scale prompts down)
+    max_output=64,
+    max_input_tokens=32000,
+    slo_s=2.0,
+    envoy_concurrency=2,
+    tuned={"scoring": {"prefill_load_scale": 8.0}},
+    oracle_prefill_scale=1.0,
+    oracle_held_weight=0.02,
+)
+PRESETS = {
+    "quick": dict(COMMON, start=0, count=800, warmup=80, speeds=[32.0, 48.0], main_speed=48.0,
+                  overhead_requests=[200, 200, 50, 20], saturate_s=3.0),
+    "full": dict(COMMON, start=0, count=2000, warmup=200, speeds=[24.0, 32.0, 40.0, 48.0, 56.0, 64.0],
+                 main_speed=48.0, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
+}
+POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-request", "envoy-random",
+            "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
+ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
+            "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
+OVERHEAD_SIZES = [1000, 8000, 32000, 128000]
+
+
+def log(*a):
+    print("[bench]", *a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- processes
+
+class Procs:
+    """Every process this suite starts, each in its own process group, stopped by pid."""
+
+    live = []
+
+    @classmethod
+    def start(cls, argv, logpath):
+        f = open(logpath, "ab")
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        f.close()
+        cls.live.append(p)
+        return p
+
+    @classmethod
+    def stop(cls, procs):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 5
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+            if p in cls.live:
+                cls.live.remove(p)
+
+    @classmethod
+    def stop_all(cls):
+        cls.stop(list(reversed(cls.live)))
+
+
+def _on_signal(sig, _frame):
+    Procs.stop_all()
+    sys.exit(128 + sig)
+
+
+atexit.register(Procs.stop_all)
+signal.signal(signal.SIGTERM, _on_signal)
+signal.signal(signal.SIGINT, _on_signal)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method, url, body=None, timeout=5.0, headers=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("content-type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_until(fn, timeout, what, procs=()):
+    end = time.time() + timeout
+    last = None
+    while time.time() < end:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: process exited with {p.returncode}")
+        try:
+            ok, last = fn()
+            if ok:
+                return last
+        except Exception as e:  # connection refused while starting
+            last = str(e)
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: not ready after {timeout:.0f} s ({last})")
+
+
+# ---------------------------------------------------------------- fleet and routers
+
+def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
+    n = n or cfg["workers"]
+    ws = []
+    for i in range(n):
+        port = free_port()
+        argv = [MOCK, "--host", "127.0.0.1", "--port", str(port), "--name", f"w{i}",
+                "--model", MODEL,
+                "--speedup", str(speedup or cfg["speedup"]),
+                "--kv-blocks", str(kv_blocks or cfg["kv_blocks"]),
+                "--block-size", str(cfg["block_size"]),
+                "--max-num-seqs", str(cfg["max_num_seqs"]),
+                "--max-batched-tokens", str(cfg["max_batched_tokens"])]
+        p = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
+        ws.append(dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", proc=p))
+    for w in ws:
+        wait_until(lambda: (http("GET", w["url"] + "/health")[0] == 200, None), 15,
+                   f"worker {w['name']}", [w["proc"]])
+    return ws
+
+
+def fill(template, **kv):
+    with open(os.path.join(TEMPLATES, template)) as f:
+        return string.Template(f.read()).substitute(**kv)
+
+
+def kvroute_config(cfg, ws, extra):
+    c = {"workers": [{"name": w["name"], "cluster": w["name"], "endpoint": f"127.0.0.1:{w['port']}",
+                      "kv_blocks": cfg["kv_blocks"]} for w in ws],
+         "block_size": cfg["block_size"], "debug_headers": True,
+         "disaggregation": {"threshold_tokens": 0}}
+    for k, v in (extra or {}).items():
+        if isinstance(v, dict):
+            c.setdefault(k, {}).update(v)
+        else:
+            c[k] = v
+    return c
+
+
+def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
+    port, admin = free_port(), free_port()
+    if policy.startswith("kvroute"):
+        if not os.path.exists(WASM):
+            raise RuntimeError(f"{WASM} not built (make wasm)")
+        conf = kvroute_config(cfg, ws, kv_extra)
+        clusters = "".join(fill("kvroute-cluster.yaml.tmpl", NAME=w["name"], WPORT=w["port"]) for w in ws)
+        yaml = fill("kvroute.yaml.tmpl", PORT=port, ADMIN_PORT=admin, WASM=WASM,
+                    CONFIG_JSON=json.dumps(json.dumps(conf)), CLUSTERS=clusters, FALLBACK=ws[0]["name"])
+    else:
+        eps = "".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {w['port']}}}}}}}\n"
+                      for w in ws)
+        yaml = fill("baseline.yaml.tmpl", PORT=port, ADMIN_PORT=admin, LB_POLICY=ENVOY_LB.get(policy, policy),
+                    ENDPOINTS=eps.rstrip("\n"))
+    path = os.path.join(logdir, "envoy.yaml")
+    with open(path, "w") as f:
+        f.write(yaml)
+    argv = [ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart",
+            "-l", "warning"]
+    p = Procs.start(argv, os.path.join(logdir, "envoy.log"))
+    wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "envoy", [p])
+    return p, f"http://127.0.0.1:{port}"
+
+
+def start_peer(cfg, policy, ws, logdir):
+    port = free_port()
+    urls = [w["url"] for w in ws]
+    if policy.startswith("sglang"):
+        exe = SGLANG
+        argv = [SGLANG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", "cache_aware", "--log-level", "warn",
+                "--max-concurrent-requests", "100000", "--queue-size", "100000",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    else:
+        exe = VLLMR
+        argv = [VLLMR, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", "cache_aware", "--log-level", "warning",
+                "--max-concurrent-requests", "100000", "--queue-size", "100000",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    if not os.path.exists(exe):
+        raise RuntimeError(f"{exe} not installed (pip install failed?)")
+    p = Procs.start(argv, os.path.join(logdir, "router.log"))
+    return p, f"http://127.0.0.1:{port}"
+
+
+def check_routes(url, procs, policy):
+    """Waits until the router answers a completion; returns the serving worker."""
+    def ok():
+        st, h, b = http("POST", url + "/v1/completions",
+                        {"model": MODEL, "prompt": "ready check", "max_tokens": 1}, timeout=5)
+        hl = {k.lower(): v for k, v in h.items()}
+        steered = not policy.startswith("kvroute") or "x-kvroute-worker" in hl
+        return st == 200 and steered, (f"HTTP {st} {b[:200]!r} worker={hl.get('x-worker-id')}"
+                                       + ("" if steered else " (no x-kvroute-worker: the filter did not route)"))
+    return wait_until(ok, 60, f"{policy} router", procs)
+
+
+# ---------------------------------------------------------------- one run
+
+def trace_path(cfg):
+    for d in [os.path.join(ROOT, "..", "shared", "traces", "mooncake"), "/work/shared/traces/mooncake"]:
+        p = os.path.join(d, cfg["trace"])
+        if os.path.exists(p):
+            return os.path.abspath(p)
+    raise RuntimeError(f"trace {cfg['trace']} not found (../shared/traces/mooncake)")
+
+
+def scrape(ws):
+    tot = {}
+    for w in ws:
+        try:
+            st, _, b = http("GET", w["url"] + "/metrics", timeout=3)
+        except Exception:
+            continue
+        for line in b.decode().splitlines():
+            for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
+                         "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total"):
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return tot
+
+
+def run_cell(cfg, policy, speed, rawdir):
+    cell = os.path.join(rawdir, policy, f"speed{speed:g}")
+    shutil.rmtree(cell, ignore_errors=True)
+    os.makedirs(cell)
+    started = list(Procs.live)
+    try:
+        ws = start_fleet(cfg, cell)
+        procs = [w["proc"] for w in ws]
+        lg = [LOADGEN, "--trace", trace_path(cfg), "--start", str(cfg["start"]), "--count", str(cfg["count"]),
+              "--speed", str(speed), "--block-tokens", str(cfg["block_tokens"]),
+              "--max-output", str(cfg["max_output"]), "--max-input-tokens", str(cfg["max_input_tokens"]),
+              "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
+              "--warmup", str(cfg["warmup"]), "--label", policy, "--out", cell, "--timeout-s", "300"]
+        if policy == "oracle":
+            lg += ["--oracle-workers", ",".join(w["url"] for w in ws),
+                   "--oracle-prefill-scale", str(cfg["oracle_prefill_scale"]),
+                   "--oracle-held-weight", str(cfg["oracle_held_weight"])]
+        else:
+            if policy.startswith("kvroute") or policy.startswith("envoy"):
+                extra = cfg["tuned"] if policy == "kvroute-tuned" else None
+                p, url = start_envoy(cfg, policy, ws, cell, extra)
+            else:
+                p, url = start_peer(cfg, policy, ws, cell)
+            procs.append(p)
+            check_routes(url, procs, policy)
+            lg += ["--target", url]
+        with open(os.path.join(cell, "loadgen.log"), "wb") as f:
+            r = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT)
+        if r.returncode != 0:
+            raise RuntimeError(f"loadgen exited {r.returncode} (see {cell}/loadgen.log)")
+        with open(os.path.join(cell, "summary.json")) as f:
+            s = json.load(f)
+        s["worker_metrics"] = scrape(ws)
+        log(f"{policy:24s} speed {speed:>5g}: {s['ok']}/{s['requests']} ok, offered {s['offered_rps_sim']:.2f} rps(sim), "
+            f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, hit {s['hit_rate']:.3f}, "
+            f"max/mean {s['max_over_mean_requests']:.2f}")
+        return s
+    finally:
+        Procs.stop([p for p in Procs.live if p not in started])
+
+
+def fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# ---------------------------------------------------------------- overhead
+
+def run_overhead(cfg, rawdir, have_kvroute):
+    """Latency Envoy adds with and without kvroute in front of one instant worker."""
+    out = {"sizes": OVERHEAD_SIZES, "targets": {}}
+    cell = os.path.join(rawdir, "overhead")
+    shutil.rmtree(cell, ignore_errors=True)
+    os.makedirs(cell)
+    started = list(Procs.live)
+    try:
+        ws = start_fleet(cfg, cell, n=1, speedup=1e6, kv_blocks=16384)
+        targets = {"direct": ws[0]["url"]}
+        p, url = start_envoy(cfg, "envoy-round-robin", ws, os.path.join(cell))
+        targets["envoy"] = url
+        if have_kvroute:
+            kdir = os.path.join(cell, "kvroute")
+            os.makedirs(kdir, exist_ok=True)
+            try:
+                p2, url2 = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
+                check_routes(url2, [p2], "kvroute")
+                targets["envoy+kvroute"] = url2
+            except Exception as e:
+                out["kvroute_error"] = str(e)
+                log(f"overhead: kvroute could not run: {e}")
+        names = list(targets)
+        res = {name: {} for name in names}
+        # Latency: all paths measured interleaved, request by request, per prompt size.
+        for n, reqs in zip(OVERHEAD_SIZES, cfg["overhead_requests"]):
+            d = os.path.join(cell, f"lat{n}")
+            subprocess.run([LOADGEN, "--mode", "latency", "--target", ",".join(targets[k] for k in names),
+                            "--prompt-tokens", str(n), "--requests", str(reqs), "--concurrency", "1",
+                            "--model", MODEL, "--out", d],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            with open(os.path.join(d, "summary.json")) as f:
+                for k, r in zip(names, json.load(f)["results"]):
+                    res[k][str(n)] = r
+        for name in names:
+            d = os.path.join(cell, name.replace("+", "_"), "saturate")
+            subprocess.run([LOADGEN, "--mode", "saturate", "--target", targets[name], "--prompt-tokens", "100",
+                            "--concurrency", "32", "--duration-s", str(cfg["saturate_s"]), "--model", MODEL,
+                            "--threads", "1", "--out", d],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            with open(os.path.join(d, "summary.json")) as f:
+                res[name]["saturate"] = json.load(f)["results"][0]
+            out["targets"][name] = res[name]
+            log(f"overhead {name:14s}: " + ", ".join(
+                f"{n}: p50 {res[name][str(n)]['p50_ms']:.3f} ms" for n in OVERHEAD_SIZES) +
+                f", saturate {res[name]['saturate']['rps']:.0f} rps")
+    finally:
+        Procs.stop([p for p in Procs.live if p not in started])
+    return out
+
+
+# ---------------------------------------------------------------- analysis
+
+def goodput(points, slo, max_err=0.01):
+    """Highest offered rate (simulated req/s) whose p90 TTFT <= slo with < 1 % errors, and a
+    linear interpolation to the SLO crossing between that point and the next one."""
+    pts = sorted(points, key=lambda s: s["offered_rps_sim"])
+    def passes(s):
+        p90 = s["ttft_sim_s"]["p90"]
+        return p90 is not None and p90 <= slo and s["errors"] <= max_err * max(1, s["requests"])
+    best, interp = None, None
+    for i, s in enumerate(pts):
+        if passes(s):
+            best = s["offered_rps_sim"]
+            interp = best
+            if i + 1 < len(pts) and not passes(pts[i + 1]) and pts[i + 1]["ttft_sim_s"]["p90"] is not None:
+                a, b = s, pts[i + 1]
+                y0, y1 = a["ttft_sim_s"]["p90"], b["ttft_sim_s"]["p90"]
+                if y1 > y0:
+                    interp = a["offered_rps_sim"] + (slo - y0) / (y1 - y0) * (b["offered_rps_sim"] - a["offered_rps_sim"])
+        else:
+            break  # the first failing rate ends the search (no credit for later lucky points)
+    return best, interp
+
+
+def analyze(cfg, res):
+    table = []
+    for pol, r in res["policies"].items():
+        if "error" in r:
+            table.append(dict(policy=pol, error=r["error"]))
+            continue
+        main = r["runs"].get(f"{cfg['main_speed']:g}")
+        gp, gpi = goodput(list(r["runs"].values()), cfg["slo_s"])
+        r["goodput_rps_sim"], r["goodput_interp_rps_sim"] = gp, gpi
+        top = max(r["runs"].values(), key=lambda s: s["offered_rps_sim"])
+        # Every rate of the sweep met the SLO: the goodput is at least this much.
+        r["goodput_lower_bound"] = gp is not None and gp == top["offered_rps_sim"]
+        if main is None:
+            continue
+        table.append(dict(policy=pol, requests=main["requests"], errors=main["errors"],
+                          ttft_p50=main["ttft_sim_s"]["p50"], ttft_p90=main["ttft_sim_s"]["p90"],
+                          ttft_p99=main["ttft_sim_s"]["p99"], itl_p50=main["itl_sim_s"]["p50"],
+                          e2e_p50=main["e2e_sim_s"]["p50"], throughput=main["throughput_rps_sim"],
+                          hit_rate=main["hit_rate"], max_mean=main["max_over_mean_requests"],
+                          goodput=gp, goodput_interp=gpi, goodput_lower_bound=r["goodput_lower_bound"],
+                          preemptions=main.get("worker_metrics", {}).get("vllm:num_preemptions_total")))
+    res["table"] = table
+    byp = {t["policy"]: t for t in table if "error" not in t}
+    rr = byp.get("envoy-round-robin")
+    peers = [byp[p] for p in ("sglang-cache-aware", "vllm-router-cache-aware") if p in byp]
+    best_peer_gp = max([p["goodput_interp"] or 0 for p in peers], default=None)
+    oracle = byp.get("oracle")
+    targets = {}
+    for k in ("kvroute", "kvroute-tuned"):
+        t = byp.get(k)
+        if not t:
+            continue
+        tg = {}
+        if rr and rr["goodput_interp"]:
+            tg["goodput_vs_round_robin"] = (t["goodput_interp"] or 0) / rr["goodput_interp"]
+        if best_peer_gp:
+            tg["goodput_vs_best_peer"] = (t["goodput_interp"] or 0) / best_peer_gp
+        if rr and rr["ttft_p50"]:
+            tg["ttft_p50_vs_round_robin"] = t["ttft_p50"] / rr["ttft_p50"]
+        if oracle and oracle["hit_rate"]:
+            tg["hit_rate_vs_oracle"] = t["hit_rate"] / oracle["hit_rate"]
+        tg["max_over_mean_requests"] = t["max_mean"]
+        targets[k] = tg
+    res["targets"] = targets
+
+
+def write_markdown(cfg, res, path):
+    L = [f"# Benchmark results: {res['name']}", "",
+         f"Command: `{res['command']}`  ", f"Date: {res['date']}, wall time {res['wall_s']:.0f} s  ",
+         f"Fleet: {cfg['workers']} mock workers, Dynamo timing model, --speedup {cfg['speedup']:g}, "
+         f"--kv-blocks {cfg['kv_blocks']} x {cfg['block_size']} tokens, --max-num-seqs {cfg['max_num_seqs']}, "
+         f"--max-batched-tokens {cfg['max_batched_tokens']}  ",
+         f"Workload: Mooncake {cfg['trace']} requests {cfg['start']}..{cfg['start'] + cfg['count']} "
+         f"(first {cfg['warmup']} not measured), trace blocks of 512 tokens replayed as {cfg['block_tokens']}, "
+         f"max_tokens <= {cfg['max_output']}, prompts <= {cfg['max_input_tokens']} tokens  ",
+         "All times are simulated seconds (wall x speedup); rates are simulated requests/s.", "",
+         f"## Policies at speed {cfg['main_speed']:g} (main point)", "",
+         "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | done rps | hit rate | max/mean req | "
+         f"goodput @p90<={cfg['slo_s']:g}s | preempt |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in res["table"]:
+        if "error" in t:
+            L.append(f"| {t['policy']} | could not run: {t['error'][:120]} |||||||||||")
+            continue
+        gp = ("none" if t["goodput"] is None else
+              f">= {t['goodput']:.2f}" if t["goodput_lower_bound"] else f"{t['goodput']:.2f} (~{t['goodput_interp']:.2f})")
+        L.append(f"| {t['policy']} | {t['requests'] - t['errors']}/{t['requests']} | {fmt(t['ttft_p50'])} | "
+                 f"{fmt(t['ttft_p90'])} | {fmt(t['ttft_p99'])} | {fmt(t['itl_p50'], 4)} | {fmt(t['e2e_p50'], 2)} | "
+                 f"{t['throughput']:.2f} | {t['hit_rate']:.3f} | {t['max_mean']:.2f} | {gp} | "
+                 f"{'-' if t['preemptions'] is None else int(t['preemptions'])} |")
+    L += ["", "Goodput: highest offered rate of the sweep whose p90 TTFT stays under the SLO (in brackets, "
+          "linear interpolation to the SLO crossing; `>=` when even the fastest rate of the sweep met it; "
+          "`none` when even the slowest missed it).", "", "## Sweep (TTFT p90, simulated s, by offered rate)", "",
+          "| policy | " + " | ".join(f"speed {s:g}" for s in cfg["speeds"]) + " |",
+          "|---|" + "---|" * len(cfg["speeds"])]
+    for pol, r in res["policies"].items():
+        if "error" in r:
+            continue
+        cells = []
+        for s in cfg["speeds"]:
+            x = r["runs"].get(f"{s:g}")
+            cells.append("-" if not x else f"{fmt(x['ttft_sim_s']['p90'])} @ {x['offered_rps_sim']:.1f} rps"
+                         + ("" if x["errors"] == 0 else f" ({x['errors']} err)"))
+        L.append(f"| {pol} | " + " | ".join(cells) + " |")
+    if res.get("targets"):
+        L += ["", "## Targets", "", "| policy | metric | value | target |", "|---|---|---|---|"]
+        want = {"goodput_vs_round_robin": ">= 2.5", "goodput_vs_best_peer": ">= 1.2",
+                "ttft_p50_vs_round_robin": "<= 0.5", "hit_rate_vs_oracle": ">= 0.9", "max_over_mean_requests": "<= 1.5"}
+        for pol, tg in res["targets"].items():
+            for k, v in tg.items():
+                L.append(f"| {pol} | {k} | {v:.2f} | {want[k]} |")
+    ov = res.get("overhead")
+    if ov:
+        L += ["", "## Overhead (one instant worker, non-streaming, max_tokens 1, 1 client, paths interleaved; wall ms)", "",
+              "| path | " + " | ".join(f"{n // 1000}k p50 / p99" for n in ov["sizes"]) + " | rps (100-token prompts, 32 clients) |",
+              "|---|" + "---|" * (len(ov["sizes"]) + 1)]
+        for name, r in ov["targets"].items():
+            L.append(f"| {name} | " + " | ".join(f"{r[str(n)]['p50_ms']:.3f} / {r[str(n)]['p99_ms']:.3f}" for n in ov["sizes"])
+                     + f" | {r['saturate']['rps']:.0f} |")
+        if "envoy+kvroute" in ov["targets"]:
+            a, b = ov["targets"]["envoy+kvroute"], ov["targets"]["envoy"]
+            L.append("| kvroute adds | " + " | ".join(
+                f"{a[str(n)]['p50_ms'] - b[str(n)]['p50_ms']:+.3f} / {a[str(n)]['p99_ms'] - b[str(n)]['p99_ms']:+.3f}"
+                for n in ov["sizes"]) + " | |")
+        if ov.get("kvroute_error"):
+            L.append(f"\nkvroute could not run here: {ov['kvroute_error']}")
+    if res.get("not_run"):
+        L += ["", "## Could not run", ""] + [f"- {k}: {v}" for k, v in res["not_run"].items()]
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def plot(cfg, res, outdir, rawdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {p: r for p, r in res["policies"].items() if "error" not in r}
+    main = f"{cfg['main_speed']:g}"
+    # TTFT CDF at the main point, from the per-request records.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for pol in ok:
+        f = os.path.join(rawdir, pol, f"speed{main}", "requests.jsonl")
+        if not os.path.exists(f):
+            continue
+        v = []
+        with open(f) as fh:
+            for line in fh:
+                r = json.loads(line)
+                if r["i"] >= cfg["warmup"] and r["error"] is None and r["ttft"] is not None:
+                    v.append(r["ttft"] * cfg["speedup"])
+        v.sort()
+        if v:
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=pol,
+                    lw=2.2 if pol.startswith("kvroute") or pol == "oracle" else 1.3)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (simulated s, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.axvline(cfg["slo_s"], color="grey", ls=":", lw=1)
+    ax.set_title(f"TTFT CDF, Mooncake {cfg['trace'].split('_')[0]}, speed {main}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "ttft_cdf.png"), dpi=110)
+    plt.close(fig)
+
+    # Hit rate per policy.
+    pols = [p for p in ok if main in ok[p]["runs"]]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    hr = [ok[p]["runs"][main]["hit_rate"] for p in pols]
+    bars = ax.bar(range(len(pols)), hr, color=["C3" if p.startswith("kvroute") else "C2" if p == "oracle" else "C0" for p in pols])
+    for b, h in zip(bars, hr):
+        ax.text(b.get_x() + b.get_width() / 2, h, f"{h:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(pols)), pols, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("prompt-cache hit rate (cached / prompt tokens)")
+    ax.set_title(f"Hit rate per policy, speed {main}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "hit_rate.png"), dpi=110)
+    plt.close(fig)
+
+    # Requests per worker (heat map).
+    names = [f"w{i}" for i in range(cfg["workers"])]
+    grid = [[ok[p]["runs"][main]["per_worker"].get(n, {}).get("requests", 0) for n in names] for p in pols]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(pols) + 1.5))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=7, color="white" if v < max(map(max, grid)) * 0.6 else "black")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yticks(range(len(pols)), [f"{p} ({ok[p]['runs'][main]['max_over_mean_requests']:.2f})" for p in pols], fontsize=8)
+    ax.set_title(f"Requests per worker, speed {main} (max/mean in brackets)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "requests_per_worker.png"), dpi=110)
+    plt.close(fig)
+
+    # Goodput: p90 TTFT against offered rate.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for pol, r in ok.items():
+        pts = sorted(r["runs"].values(), key=lambda s: s["offered_rps_sim"])
+        xs = [s["offered_rps_sim"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
+        ys = [s["ttft_sim_s"]["p90"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
+        gl = (">= " if r.get("goodput_lower_bound") else "") + fmt(r.get("goodput_interp_rps_sim"), 2)
+        ax.plot(xs, ys, marker="o", label=f"{pol} (goodput {gl})",
+                lw=2.2 if pol.startswith("kvroute") or pol == "oracle" else 1.3)
+    ax.axhline(cfg["slo_s"], color="grey", ls=":", lw=1)
+    ax.text(ax.get_xlim()[0], cfg["slo_s"], f" SLO {cfg['slo_s']:g} s", va="bottom", fontsize=8, color="grey")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered request rate (simulated req/s)")
+    ax.set_ylabel("TTFT p90 (simulated s, log)")
+    ax.set_title("TTFT p90 vs. request rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "goodput.png"), dpi=110)
+    plt.close(fig)
+
+    ov = res.get("overhead")
+    if ov and ov.get("targets"):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        names = list(ov["targets"])
+        wdt = 0.8 / len(names)
+        for k, name in enumerate(names):
+            r = ov["targets"][name]
+            xs = [i + k * wdt for i in range(len(ov["sizes"]))]
+            ax.bar(xs, [r[str(n)]["p50_ms"] for n in ov["sizes"]], wdt, label=f"{name} p50")
+            ax.scatter(xs, [r[str(n)]["p99_ms"] for n in ov["sizes"]], marker="_", s=200, color="black")
+        ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(ov["sizes"]))], [f"{n // 1000}k tokens" for n in ov["sizes"]])
+        ax.set_yscale("log")
+        ax.set_ylabel("request latency, wall ms (bar p50, tick p99)")
+        ax.set_title("Proxy overhead, one instant worker")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "overhead.png"), dpi=110)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    ap.add_argument("--name", help="results folder under bench/results [preset name]")
+    ap.add_argument("--policies", help="comma-separated subset of: " + ",".join(POLICIES))
+    ap.add_argument("--speeds", help="comma-separated arrival speed factors (overrides the preset)")
+    ap.add_argument("--main-speed", type=float)
+    ap.add_argument("--count", type=int)
+    ap.add_argument("--slo", type=float, help="p90 TTFT SLO, simulated seconds [2]")
+    ap.add_argument("--tuned", help="JSON merged into the kvroute-tuned plugin config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a preset value (numbers parsed as JSON), e.g. --set kv_blocks=4096")
+    ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--only-overhead", action="store_true")
+    a = ap.parse_args()
+
+    cfg = dict(PRESETS[a.preset])
+    if a.speeds:
+        cfg["speeds"] = [float(x) for x in a.speeds.split(",")]
+        if cfg["main_speed"] not in cfg["speeds"]:
+            cfg["main_speed"] = cfg["speeds"][0]
+    if a.main_speed:
+        cfg["main_speed"] = a.main_speed
+    if a.count:
+        cfg["count"] = a.count
+    if a.slo:
+        cfg["slo_s"] = a.slo
+    if a.tuned:
+        cfg["tuned"] = json.loads(a.tuned)
+    for kv in a.set:
+        k, v = kv.split("=", 1)
+        try:
+            cfg[k] = json.loads(v)
+        except json.JSONDecodeError:
+            cfg[k] = v
+    name = a.name or a.preset
+    outdir = os.path.join(ROOT, "bench", "results", name)
+    rawdir = os.path.join(outdir, "raw")
+    os.makedirs(rawdir, exist_ok=True)
+    for exe in (MOCK, LOADGEN, ENVOY):
+        if not os.path.exists(exe):
+            sys.exit(f"missing {exe}: run `make bench-deps` first")
+
+    t_start = time.time()
+    res = {"name": name, "preset": a.preset, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg, "policies": {}, "not_run": {}}
+    res["table"] = []
+    policies = a.policies.split(",") if a.policies else list(POLICIES)
+    wasm_ok = os.path.exists(WASM)
+    if not a.only_overhead:
+        for pol in policies:
+            if pol not in POLICIES:
+                sys.exit(f"unknown policy {pol}")
+            runs = {}
+            err = None
+            for sp in sorted(cfg["speeds"]):
+                try:
+                    runs[f"{sp:g}"] = run_cell(cfg, pol, sp, rawdir)
+                except Exception as e:
+                    err = str(e)
+                    log(f"{pol} speed {sp:g}: could not run: {err}")
+                    break
+            if runs:
+                res["policies"][pol] = {"runs": runs}
+                if err:
+                    res["policies"][pol]["partial_error"] = err
+            else:
+                res["policies"][pol] = {"error": err}
+                res["not_run"][pol] = err
+                if pol.startswith("kvroute"):
+                    wasm_ok = False
+        analyze(cfg, res)
+    if not a.no_overhead:
+        try:
+            res["overhead"] = run_overhead(cfg, rawdir, wasm_ok)
+        except Exception as e:
+            res["not_run"]["overhead"] = str(e)
+            log(f"overhead could not run: {e}")
+    res["wall_s"] = time.time() - t_start
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_markdown(cfg, res, os.path.join(outdir, "results.md"))
+    try:
+        plot(cfg, res, outdir, rawdir)
+    except ImportError as e:
+        log(f"no plots: {e} (run with build/bench-venv/bin/python)")
+    log(f"done in {res['wall_s']:.0f} s: {os.path.relpath(outdir, ROOT)}/results.md")
+    with open(os.path.join(outdir, "results.md")) as f:
+        print(f.read())
+
+
+if __name__ == "__main__":
+    main()

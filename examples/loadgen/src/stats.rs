@@ -1,0 +1,322 @@
+//! Summaries, and the closed-loop latency / saturation modes.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use crate::text::{push_words, seed_of};
+use crate::{client, Args};
+
+/// Nearest-rank percentile of sorted data.
+pub fn pct(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let k = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[k.clamp(1, sorted.len()) - 1])
+}
+
+fn dist(mut v: Vec<f64>, scale: f64) -> Value {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let mean = if v.is_empty() {
+        None
+    } else {
+        Some(v.iter().sum::<f64>() / v.len() as f64 * scale)
+    };
+    let p = |q| pct(&v, q).map(|x| x * scale);
+    json!({"p50": p(50.0), "p90": p(90.0), "p95": p(95.0), "p99": p(99.0), "max": p(100.0), "mean": mean, "n": v.len()})
+}
+
+pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> Value {
+    let measured: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["i"].as_u64().unwrap_or(0) as usize >= a.warmup)
+        .collect();
+    let ok: Vec<&Value> = measured
+        .iter()
+        .copied()
+        .filter(|r| r["error"].is_null())
+        .collect();
+    let errors: Vec<&Value> = measured
+        .iter()
+        .copied()
+        .filter(|r| !r["error"].is_null())
+        .collect();
+    let f = |r: &Value, k: &str| r[k].as_f64();
+    let ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "ttft")).collect();
+    let e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "e2e")).collect();
+    let itl: Vec<f64> = gaps
+        .iter()
+        .filter(|(i, _)| *i >= a.warmup)
+        .flat_map(|(_, g)| g.iter().map(|&x| x as f64))
+        .collect();
+    let late: Vec<f64> = measured.iter().filter_map(|r| f(r, "late")).collect();
+    let t_first = measured
+        .iter()
+        .filter_map(|r| f(r, "t"))
+        .fold(f64::INFINITY, f64::min);
+    let t_last = measured
+        .iter()
+        .filter_map(|r| Some(f(r, "t")? + f(r, "e2e")?))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let duration = (t_last - t_first).max(1e-9);
+    let due_min = measured
+        .iter()
+        .filter_map(|r| f(r, "due"))
+        .fold(f64::INFINITY, f64::min);
+    let due_max = measured
+        .iter()
+        .filter_map(|r| f(r, "due"))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let offered = if due_max > due_min {
+        measured.len() as f64 / (due_max - due_min)
+    } else {
+        0.0
+    };
+    let sum = |rs: &[&Value], k: &str| rs.iter().filter_map(|r| r[k].as_u64()).sum::<u64>();
+    let prompt = sum(&ok, "prompt_tokens");
+    let cached = sum(&ok, "cached_tokens");
+    let out_tokens = sum(&ok, "out_tokens");
+    let mut per: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
+    for r in &ok {
+        let w = r["worker"].as_str().unwrap_or("").to_string();
+        let e = per
+            .entry(if w.is_empty() { "?".into() } else { w })
+            .or_default();
+        e.0 += 1;
+        e.1 += r["prompt_tokens"].as_u64().unwrap_or(0);
+        e.2 += r["cached_tokens"].as_u64().unwrap_or(0);
+    }
+    let n_workers = if a.fleet_size > 0 {
+        a.fleet_size.max(per.len())
+    } else {
+        per.len()
+    };
+    let max_req = per.values().map(|e| e.0).max().unwrap_or(0) as f64;
+    let mean_req = if n_workers > 0 {
+        ok.len() as f64 / n_workers as f64
+    } else {
+        0.0
+    };
+    let per_worker: serde_json::Map<String, Value> = per
+        .iter()
+        .map(|(k, e)| {
+            (
+                k.clone(),
+                json!({"requests": e.0, "prompt_tokens": e.1, "cached_tokens": e.2,
+                       "hit_rate": if e.1 > 0 { e.2 as f64 / e.1 as f64 } else { 0.0 }}),
+            )
+        })
+        .collect();
+    let mut sample_errors: Vec<String> = errors
+        .iter()
+        .filter_map(|r| r["error"].as_str().map(String::from))
+        .collect();
+    sample_errors.sort();
+    sample_errors.dedup();
+    sample_errors.truncate(5);
+    let s = a.sim_speedup;
+    json!({
+        "label": a.label,
+        "workload": a.workload,
+        "mode": if a.oracle_workers.is_empty() { "target" } else { "oracle" },
+        "speed": a.speed,
+        "sim_speedup": s,
+        "requests": measured.len(),
+        "warmup_excluded": records.len() - measured.len(),
+        "ok": ok.len(),
+        "errors": errors.len(),
+        "error_samples": sample_errors,
+        "duration_s": duration,
+        "offered_rps": offered,
+        "throughput_rps": ok.len() as f64 / duration,
+        "output_tps": out_tokens as f64 / duration,
+        "offered_rps_sim": offered / s,
+        "throughput_rps_sim": ok.len() as f64 / duration / s,
+        "ttft_s": dist(ttft.clone(), 1.0),
+        "ttft_sim_s": dist(ttft, s),
+        "itl_s": dist(itl.clone(), 1.0),
+        "itl_sim_s": dist(itl, s),
+        "e2e_s": dist(e2e.clone(), 1.0),
+        "e2e_sim_s": dist(e2e, s),
+        "late_s": dist(late, 1.0),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": out_tokens,
+        "hit_rate": if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+        "fleet_size": n_workers,
+        "per_worker": per_worker,
+        "max_over_mean_requests": if mean_req > 0.0 { max_req / mean_req } else { 0.0 },
+    })
+}
+
+pub fn one_line(s: &Value) -> String {
+    let g = |p: &str, k: &str| s[p][k].as_f64().unwrap_or(f64::NAN);
+    format!(
+        "{} ok {}/{} | offered {:.2} rps, done {:.2} rps | TTFT sim p50 {:.3} p90 {:.3} s | hit {:.3} | max/mean {:.2}",
+        s["label"].as_str().unwrap_or(""),
+        s["ok"],
+        s["requests"],
+        s["offered_rps"].as_f64().unwrap_or(0.0),
+        s["throughput_rps"].as_f64().unwrap_or(0.0),
+        g("ttft_sim_s", "p50"),
+        g("ttft_sim_s", "p90"),
+        s["hit_rate"].as_f64().unwrap_or(0.0),
+        s["max_over_mean_requests"].as_f64().unwrap_or(0.0),
+    )
+}
+
+/// `--mode latency`: for each prompt size, closed-loop non-streaming requests with
+/// `max_tokens` 1. Several comma-separated `--target`s are measured interleaved (request i goes
+/// to target i mod n), so drift in machine load hits every target alike. `--mode saturate`:
+/// the same for `--duration-s` with more clients, one target after the other.
+pub async fn closed_loop(a: &Args) -> i32 {
+    let Some(target) = a.target.clone() else {
+        eprintln!("loadgen: --target is required in this mode");
+        return 2;
+    };
+    let targets: Vec<String> = target
+        .split(',')
+        .map(|t| t.trim_end_matches('/').to_string())
+        .collect();
+    let saturate = a.mode == "saturate";
+    let conc = if a.concurrency > 0 {
+        a.concurrency
+    } else if saturate {
+        32
+    } else {
+        1
+    };
+    let c = client::new_client();
+    let mut results = Vec::new();
+    let groups: Vec<Vec<String>> = if saturate {
+        targets.iter().map(|t| vec![t.clone()]).collect()
+    } else {
+        vec![targets.clone()]
+    };
+    for &n in &a.prompt_tokens {
+        let mut prompt = String::with_capacity(n * 5);
+        push_words(&mut prompt, seed_of(&[a.seed, 0x1a7, n as u64]), n);
+        let mut b = json!({"prompt": prompt, "max_tokens": 1});
+        if !a.model.is_empty() {
+            b["model"] = json!(a.model);
+        }
+        let body = Bytes::from(serde_json::to_vec(&b).unwrap());
+        for group in &groups {
+            let urls: Arc<Vec<String>> = Arc::new(
+                group
+                    .iter()
+                    .map(|t| format!("{t}/v1/completions"))
+                    .collect(),
+            );
+            let nt = urls.len();
+            // Warm up connections and caches.
+            for u in urls.iter() {
+                for _ in 0..conc.max(5) {
+                    let _ = client::send(
+                        &c,
+                        u,
+                        body.clone(),
+                        &[],
+                        Instant::now(),
+                        false,
+                        a.timeout,
+                        None,
+                    )
+                    .await;
+                }
+            }
+            let lat: Arc<Mutex<Vec<Vec<f64>>>> = Arc::new(Mutex::new(vec![Vec::new(); nt]));
+            let errors = Arc::new(AtomicUsize::new(0));
+            let issued = Arc::new(AtomicUsize::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let total = if saturate {
+                usize::MAX
+            } else {
+                a.requests * nt
+            };
+            let t0 = Instant::now();
+            let mut hs = Vec::new();
+            for _ in 0..conc {
+                let (c, urls, body, lat, errors, issued, stop) = (
+                    c.clone(),
+                    urls.clone(),
+                    body.clone(),
+                    lat.clone(),
+                    errors.clone(),
+                    issued.clone(),
+                    stop.clone(),
+                );
+                let timeout = a.timeout;
+                hs.push(tokio::spawn(async move {
+                    let mut mine = vec![Vec::new(); urls.len()];
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = issued.fetch_add(1, Ordering::Relaxed);
+                        if k >= total {
+                            break;
+                        }
+                        let j = k % urls.len();
+                        let t = Instant::now();
+                        let o =
+                            client::send(&c, &urls[j], body.clone(), &[], t, false, timeout, None)
+                                .await;
+                        if o.error.is_some() {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            mine[j].push(t.elapsed().as_secs_f64() * 1000.0);
+                        }
+                    }
+                    let mut l = lat.lock().unwrap();
+                    for (j, m) in mine.into_iter().enumerate() {
+                        l[j].extend(m);
+                    }
+                }));
+            }
+            if saturate {
+                tokio::time::sleep(Duration::from_secs_f64(a.duration_s)).await;
+                stop.store(true, Ordering::Relaxed);
+            }
+            for h in hs {
+                let _ = h.await;
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let all = std::mem::take(&mut *lat.lock().unwrap());
+            for (j, mut v) in all.into_iter().enumerate() {
+                v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                let r = json!({
+                    "target": group[j],
+                    "prompt_tokens": n,
+                    "body_bytes": body.len(),
+                    "concurrency": conc,
+                    "requests": v.len(),
+                    "errors": errors.load(Ordering::Relaxed),
+                    "rps": v.len() as f64 / wall,
+                    "p50_ms": pct(&v, 50.0),
+                    "p90_ms": pct(&v, 90.0),
+                    "p99_ms": pct(&v, 99.0),
+                    "mean_ms": if v.is_empty() { None } else { Some(v.iter().sum::<f64>() / v.len() as f64) },
+                });
+                eprintln!("loadgen {}: {r}", a.mode);
+                results.push(r);
+            }
+        }
+    }
+    let out = json!({"label": a.label, "mode": a.mode, "targets": targets, "results": results});
+    if let Some(dir) = &a.out {
+        let _ = std::fs::create_dir_all(dir);
+        if let Err(e) = std::fs::write(
+            format!("{dir}/summary.json"),
+            serde_json::to_string_pretty(&out).unwrap(),
+        ) {
+            eprintln!("loadgen: {e}");
+            return 1;
+        }
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out).unwrap());
+    }
+    0
+}

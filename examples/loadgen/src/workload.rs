@@ -1,0 +1,346 @@
+//! Workloads: Mooncake trace replay and synthetic conversations.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::text::{push_words, seed_of, splitmix, unit, Zipf};
+use crate::{dispatch, Args, Ctx, Job};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Api {
+    Completions,
+    Chat,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+fn base_body(model: &str, max_tokens: u64) -> Value {
+    let mut b = json!({
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if !model.is_empty() {
+        b["model"] = json!(model);
+    }
+    b
+}
+
+struct TraceReq {
+    ts_ms: f64,
+    tokens: usize,
+    max_tokens: u64,
+    hash_ids: Vec<u64>,
+    session: String,
+}
+
+pub struct Mooncake {
+    reqs: Vec<TraceReq>,
+    block_tokens: usize,
+    speed: f64,
+    seed: u64,
+    api: Api,
+    model: String,
+}
+
+impl Mooncake {
+    pub fn load(a: &Args) -> Result<Self, String> {
+        let path = a
+            .trace
+            .as_deref()
+            .ok_or("--trace is required for --workload mooncake")?;
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+        let mut reqs = Vec::new();
+        for (n, line) in text.lines().enumerate().skip(a.start).take(a.count) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: Value =
+                serde_json::from_str(line).map_err(|e| format!("{path}:{}: {e}", n + 1))?;
+            let input = v["input_length"]
+                .as_u64()
+                .ok_or(format!("{path}:{}: no input_length", n + 1))?;
+            let output = v["output_length"].as_u64().unwrap_or(1).max(1);
+            let hash_ids: Vec<u64> = v["hash_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|h| h.as_u64()).collect())
+                .unwrap_or_default();
+            if hash_ids.is_empty() {
+                return Err(format!("{path}:{}: no hash_ids", n + 1));
+            }
+            // Scale 512-token trace blocks to --block-tokens, keep block boundaries aligned.
+            let mut tokens = ((input as usize) * a.block_tokens).div_ceil(512).max(1);
+            tokens = tokens.min(hash_ids.len() * a.block_tokens);
+            if a.max_input_tokens > 0 {
+                tokens = tokens.min(a.max_input_tokens);
+            }
+            let max_tokens = if a.max_output > 0 {
+                output.min(a.max_output)
+            } else {
+                output
+            };
+            let session = hash_ids[a.session_block.min(hash_ids.len() - 1)].to_string();
+            reqs.push(TraceReq {
+                ts_ms: v["timestamp"].as_f64().unwrap_or(0.0),
+                tokens,
+                max_tokens,
+                hash_ids,
+                session,
+            });
+        }
+        if reqs.is_empty() {
+            return Err(format!("{path}: no requests in the slice"));
+        }
+        Ok(Mooncake {
+            reqs,
+            block_tokens: a.block_tokens,
+            speed: a.speed,
+            seed: a.seed,
+            api: a.api.unwrap_or(Api::Completions),
+            model: a.model.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Wall seconds the arrivals span at this speed.
+    pub fn span(&self) -> f64 {
+        let t0 = self.reqs[0].ts_ms;
+        self.reqs.iter().map(|r| r.ts_ms - t0).fold(0.0, f64::max) / 1000.0 / self.speed
+    }
+
+    pub fn mean_input(&self) -> usize {
+        self.reqs.iter().map(|r| r.tokens).sum::<usize>() / self.reqs.len()
+    }
+
+    /// The prompt of one request: each hash id expands to the same `block_tokens` words.
+    fn prompt(&self, r: &TraceReq) -> String {
+        let mut s = String::with_capacity(r.tokens * 5);
+        let mut left = r.tokens;
+        for &h in &r.hash_ids {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(self.block_tokens);
+            push_words(&mut s, seed_of(&[self.seed, 0x0074_7261_6365, h]), n);
+            left -= n;
+        }
+        s
+    }
+
+    pub async fn run(self, ctx: Arc<Ctx>) {
+        let me = Arc::new(self);
+        let t0 = me.reqs[0].ts_ms;
+        let mut hs = Vec::with_capacity(me.reqs.len());
+        for i in 0..me.reqs.len() {
+            let due = (me.reqs[i].ts_ms - t0) / 1000.0 / me.speed;
+            tokio::time::sleep_until((ctx.start + Duration::from_secs_f64(due.max(0.0))).into())
+                .await;
+            let (me, ctx) = (me.clone(), ctx.clone());
+            hs.push(tokio::spawn(async move {
+                let r = &me.reqs[i];
+                let text = me.prompt(r);
+                let mut body = base_body(&me.model, r.max_tokens);
+                match me.api {
+                    Api::Completions => body["prompt"] = json!(text),
+                    Api::Chat => body["messages"] = json!([{"role": "user", "content": text}]),
+                }
+                let job = Job {
+                    idx: i,
+                    session: r.session.clone(),
+                    path: me.api.path(),
+                    body,
+                    max_tokens: r.max_tokens,
+                    due,
+                    keep_text: false,
+                    extra: json!({"blocks": r.hash_ids.len()}),
+                };
+                dispatch(&ctx, job).await;
+            }));
+        }
+        for h in hs {
+            let _ = h.await;
+        }
+    }
+}
+
+/// Shared system prompts (Zipf popularity), multi-turn chats that append turns, and
+/// questions about long documents (Zipf popularity too).
+pub struct Synthetic {
+    sessions: usize,
+    rate: f64,
+    turns: (usize, usize),
+    think: f64,
+    sys: Zipf,
+    docs: Zipf,
+    n_docs: usize,
+    system_tokens: usize,
+    user_tokens: usize,
+    doc_tokens: usize,
+    doc_fraction: f64,
+    max_tokens: u64,
+    seed: u64,
+    api: Api,
+    model: String,
+    counter: AtomicUsize,
+}
+
+impl Synthetic {
+    pub fn new(a: &Args) -> Self {
+        let max_tokens = if a.max_output > 0 {
+            a.max_tokens.min(a.max_output)
+        } else {
+            a.max_tokens
+        };
+        Synthetic {
+            sessions: a.sessions,
+            rate: a.rate * a.speed,
+            turns: a.turns,
+            think: a.think_ms / 1000.0 / a.speed,
+            sys: Zipf::new(a.system_prompts.max(1), a.zipf),
+            docs: Zipf::new(a.docs.max(1), a.zipf),
+            n_docs: a.docs,
+            system_tokens: a.system_tokens,
+            user_tokens: a.user_tokens.max(1),
+            doc_tokens: a.doc_tokens,
+            doc_fraction: a.doc_fraction,
+            max_tokens: max_tokens.max(1),
+            seed: a.seed,
+            api: a.api.unwrap_or(Api::Chat),
+            model: a.model.clone(),
+            counter: AtomicUsize::new(0),
+        }
+    }
+
+    fn words(&self, parts: &[u64], n: usize) -> String {
+        let mut s = String::with_capacity(n * 5);
+        push_words(&mut s, seed_of(parts), n);
+        s
+    }
+
+    async fn session(self: Arc<Self>, ctx: Arc<Ctx>, s: usize, arrival: f64) {
+        let mut st = seed_of(&[self.seed, 0x5e55, s as u64]);
+        let sys = self.sys.sample(&mut st);
+        let is_doc = self.n_docs > 0 && unit(&mut st) < self.doc_fraction;
+        let doc = self.docs.sample(&mut st);
+        let turns = self.turns.0 + (splitmix(&mut st) as usize) % (self.turns.1 - self.turns.0 + 1);
+        let mut msgs: Vec<Value> = Vec::new();
+        // Completions API: the conversation is flattened into one growing prompt.
+        let mut flat = String::new();
+        if self.system_tokens > 0 {
+            let t = format!(
+                "System:{}",
+                self.words(&[self.seed, 1, sys as u64], self.system_tokens)
+            );
+            flat.push_str(&t);
+            msgs.push(json!({"role": "system", "content": t}));
+        }
+        let mut due = arrival;
+        for turn in 0..turns {
+            let mut user = String::new();
+            if is_doc && turn == 0 {
+                user.push_str("Document:");
+                user.push_str(&self.words(&[self.seed, 2, doc as u64], self.doc_tokens));
+                user.push_str("\nQuestion:");
+            }
+            user.push_str(&self.words(&[self.seed, 3, s as u64, turn as u64], self.user_tokens));
+            flat.push_str("\nUser:");
+            flat.push_str(&user);
+            flat.push_str("\nAssistant:");
+            msgs.push(json!({"role": "user", "content": user}));
+            let mut body = base_body(&self.model, self.max_tokens);
+            match self.api {
+                Api::Chat => body["messages"] = json!(msgs),
+                Api::Completions => body["prompt"] = json!(flat),
+            }
+            let job = Job {
+                idx: self.counter.fetch_add(1, Ordering::Relaxed),
+                session: format!("s{s}"),
+                path: self.api.path(),
+                body,
+                max_tokens: self.max_tokens,
+                due,
+                keep_text: true,
+                extra: json!({
+                    "turn": turn,
+                    "kind": if is_doc { "doc" } else { "chat" },
+                    "system": sys,
+                    "doc": if is_doc { json!(doc) } else { Value::Null },
+                }),
+            };
+            let o = dispatch(&ctx, job).await;
+            if o.error.is_some() {
+                return;
+            }
+            flat.push_str(&o.text);
+            msgs.push(json!({"role": "assistant", "content": o.text}));
+            tokio::time::sleep(Duration::from_secs_f64(self.think)).await;
+            due = ctx.start.elapsed().as_secs_f64();
+        }
+    }
+
+    pub async fn run(self, ctx: Arc<Ctx>) {
+        let me = Arc::new(self);
+        let mut st = seed_of(&[me.seed, 0xa771]);
+        let mut t = 0.0;
+        let mut hs = Vec::with_capacity(me.sessions);
+        for s in 0..me.sessions {
+            tokio::time::sleep_until((ctx.start + Duration::from_secs_f64(t)).into()).await;
+            hs.push(tokio::spawn(me.clone().session(ctx.clone(), s, t)));
+            // Poisson arrivals.
+            t += -(1.0 - unit(&mut st)).ln() / me.rate.max(1e-9);
+        }
+        for h in hs {
+            let _ = h.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: usize, hash_ids: &[u64]) -> TraceReq {
+        TraceReq {
+            ts_ms: 0.0,
+            tokens,
+            max_tokens: 1,
+            hash_ids: hash_ids.to_vec(),
+            session: String::new(),
+        }
+    }
+
+    #[test]
+    fn prompts_share_exactly_the_trace_prefix() {
+        let m = Mooncake {
+            reqs: Vec::new(),
+            block_tokens: 8,
+            speed: 1.0,
+            seed: 3,
+            api: Api::Completions,
+            model: String::new(),
+        };
+        let a = m.prompt(&req(24, &[0, 1, 2]));
+        let b = m.prompt(&req(20, &[0, 1, 5]));
+        let words = |s: &str| s.split(' ').skip(1).map(String::from).collect::<Vec<_>>();
+        let (wa, wb) = (words(&a), words(&b));
+        assert_eq!((wa.len(), wb.len()), (24, 20));
+        assert_eq!(wa[..16], wb[..16]);
+        assert_ne!(wa[16..20], wb[16..20]);
+        // A partial last block is a prefix of the full block.
+        let c = m.prompt(&req(19, &[0, 1, 2]));
+        assert!(a.starts_with(&c));
+    }
+}

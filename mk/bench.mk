@@ -1,0 +1,41 @@
+# Benchmark suite (bench/README.md): `make bench` runs every routing policy against the same
+# simulated fleet with a load sweep and the proxy-overhead test (<= 30 min on 2 cores);
+# `make bench-quick` is the short version (<= 5 min). Results: bench/results/<name>/.
+# Included by the main Makefile (`-include mk/*.mk`); uses its `venv` (Envoy) and `wasm`.
+# Extra flags for bench/run.py: make bench BENCH_ARGS="--policies oracle,envoy-round-robin".
+
+BENCH_VENV := build/bench-venv
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_ARGS ?=
+SGLANG_ROUTER_VERSION ?= 0.3.2
+VLLM_ROUTER_VERSION ?= 0.1.17
+
+# matplotlib for the plots, apart from the project venv.
+$(BENCH_VENV)/.installed:
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --disable-pip-version-check matplotlib
+	@touch $@
+
+# Peer routers from PyPI, each in its own venv, run as black boxes. A failed install is not
+# fatal: the suite reports the policy as not run and goes on.
+build/sglang-venv/.installed-$(SGLANG_ROUTER_VERSION):
+	-python3 -m venv build/sglang-venv && build/sglang-venv/bin/pip install -q \
+		--disable-pip-version-check sglang-router==$(SGLANG_ROUTER_VERSION) && touch $@
+
+build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION):
+	-python3 -m venv build/vllmr-venv && build/vllmr-venv/bin/pip install -q \
+		--disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION) && touch $@
+
+.PHONY: bench-deps
+bench-deps: venv $(BENCH_VENV)/.installed build/sglang-venv/.installed-$(SGLANG_ROUTER_VERSION) \
+		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION)
+	cargo build --release -p mock-worker -p loadgen
+	@$(MAKE) --no-print-directory wasm || echo "bench: make wasm failed; the kvroute policies will be reported as not run"
+
+.PHONY: bench
+bench: bench-deps
+	$(BENCH_PY) bench/run.py --preset full $(BENCH_ARGS)
+
+.PHONY: bench-quick
+bench-quick: bench-deps
+	$(BENCH_PY) bench/run.py --preset quick $(BENCH_ARGS)
