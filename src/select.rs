@@ -102,7 +102,9 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     // Cache pressure: the share of this worker's cache rewritten recently. Writing many new
     // blocks to a churning cache evicts content other requests would have hit; a mostly
     // cached request writes little, so affinity keeps winning.
-    let pressure = c.load.fresh_blocks / f64::from(c.kv_blocks.max(1));
+    // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
+    // uncapped value would let write volume outweigh cache hits at high request rates.
+    let pressure = (c.load.fresh_blocks / f64::from(c.kv_blocks.max(1))).min(1.0);
     p.prefill_load_scale * prefill + decode + p.cache_balance * written * pressure
 }
 
