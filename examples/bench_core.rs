@@ -655,18 +655,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
 }
 
 fn select_params(cfg: &Config) -> SelectParams {
-    SelectParams {
-        block_size: cfg.block_size,
-        overlap_credit: cfg.scoring.overlap_credit,
-        prefill_load_scale: cfg.scoring.prefill_load_scale,
-        staged_decode: cfg.scoring.staged_decode,
-        temperature: cfg.scoring.temperature,
-        cache_balance: cfg.scoring.cache_balance,
-        busy_kv_usage: cfg.busy.kv_usage,
-        busy_waiting: cfg.busy.waiting_requests,
-        busy_inflight: cfg.busy.inflight_requests,
-        reject_when_all_busy: cfg.busy.reject_when_all_busy,
-    }
+    SelectParams::from_config(cfg)
 }
 
 struct Mem {

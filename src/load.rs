@@ -51,6 +51,19 @@ pub struct LoadParams {
     pub fresh_half_life_ms: u64,
 }
 
+impl LoadParams {
+    pub fn from_config(cfg: &crate::config::Config) -> Self {
+        LoadParams {
+            request_ttl_ms: cfg.load.request_ttl_ms,
+            prefill_decay: cfg.load.prefill_decay,
+            prefill_tokens_per_s: cfg.load.prefill_tokens_per_s,
+            prefill_overhead_ms: cfg.load.prefill_overhead_ms,
+            staged_decode: cfg.scoring.staged_decode,
+            fresh_half_life_ms: cfg.scoring.cache_balance_half_life_ms,
+        }
+    }
+}
+
 impl Default for LoadParams {
     fn default() -> Self {
         Self {

@@ -109,26 +109,8 @@ impl Router {
     /// `origin` distinguishes this replica's request ids from other threads' (its low 16
     /// bits go into the top of every id).
     pub fn new(cfg: Config, origin: u64, seed: u64) -> Self {
-        let sel = SelectParams {
-            block_size: cfg.block_size,
-            overlap_credit: cfg.scoring.overlap_credit,
-            prefill_load_scale: cfg.scoring.prefill_load_scale,
-            staged_decode: cfg.scoring.staged_decode,
-            temperature: cfg.scoring.temperature,
-            cache_balance: cfg.scoring.cache_balance,
-            busy_kv_usage: cfg.busy.kv_usage,
-            busy_waiting: cfg.busy.waiting_requests,
-            busy_inflight: cfg.busy.inflight_requests,
-            reject_when_all_busy: cfg.busy.reject_when_all_busy,
-        };
-        let params = LoadParams {
-            request_ttl_ms: cfg.load.request_ttl_ms,
-            prefill_decay: cfg.load.prefill_decay,
-            prefill_tokens_per_s: cfg.load.prefill_tokens_per_s,
-            prefill_overhead_ms: cfg.load.prefill_overhead_ms,
-            staged_decode: cfg.scoring.staged_decode,
-            fresh_half_life_ms: cfg.scoring.cache_balance_half_life_ms,
-        };
+        let sel = SelectParams::from_config(&cfg);
+        let params = LoadParams::from_config(&cfg);
         let mut index = PrefixIndex::new(cfg.index.ttl_ms);
         let mut decode_pool = Vec::new();
         let mut prefill_pool = Vec::new();

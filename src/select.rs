@@ -84,6 +84,23 @@ pub enum Outcome {
     NoCandidates,
 }
 
+impl SelectParams {
+    pub fn from_config(cfg: &crate::config::Config) -> Self {
+        SelectParams {
+            block_size: cfg.block_size,
+            overlap_credit: cfg.scoring.overlap_credit,
+            prefill_load_scale: cfg.scoring.prefill_load_scale,
+            staged_decode: cfg.scoring.staged_decode,
+            temperature: cfg.scoring.temperature,
+            cache_balance: cfg.scoring.cache_balance,
+            busy_kv_usage: cfg.busy.kv_usage,
+            busy_waiting: cfg.busy.waiting_requests,
+            busy_inflight: cfg.busy.inflight_requests,
+            reject_when_all_busy: cfg.busy.reject_when_all_busy,
+        }
+    }
+}
+
 pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     let bs = f64::from(p.block_size.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
