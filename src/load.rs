@@ -377,6 +377,11 @@ impl LoadTable {
         }
     }
 
+    /// The latest report, however old.
+    pub fn last_report(&self, w: WorkerId) -> Option<Report> {
+        self.workers.get(usize::from(w)).and_then(|wl| wl.report)
+    }
+
     /// A failure (5xx, 429, connect error) puts the worker on cooldown.
     pub fn mark_failed(&mut self, w: WorkerId, now_ms: u64, cooldown_ms: u64) {
         if let Some(wl) = self.workers.get_mut(usize::from(w)) {

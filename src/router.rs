@@ -496,7 +496,8 @@ impl Router {
     }
 
     pub fn on_orca(&mut self, worker: WorkerId, o: &OrcaLoad, now_ms: u64) -> Event {
-        let prev = self.worker_view(worker, u64::MAX / 2).report;
+        // A report may carry only some metrics; keep the others from the last one.
+        let prev = self.load.last_report(worker);
         let e = Event::Report {
             worker,
             kv_usage: o.kv_usage.or(prev.map(|r| r.kv_usage)).unwrap_or(0.0),
@@ -728,6 +729,17 @@ mod tests {
         assert_eq!(db.decode, d.decode);
         assert_ne!(db.id, d.id);
         assert_eq!(b.worker_view(d.decode, 2).inflight, 2);
+    }
+
+    #[test]
+    fn partial_orca_report_keeps_the_other_metric() {
+        let mut r = Router::new(cfg(""), 1, 3);
+        let full = OrcaLoad { kv_usage: Some(0.5), waiting: Some(3), running: None };
+        r.on_orca(0, &full, 10);
+        let partial = OrcaLoad { kv_usage: None, waiting: Some(7), running: None };
+        r.on_orca(0, &partial, 20);
+        let rep = r.worker_view(0, 20).report.unwrap();
+        assert_eq!((rep.kv_usage, rep.waiting), (0.5, 7));
     }
 
     #[test]

@@ -104,12 +104,17 @@ impl Http {
         let Some(d) = self.decision.take() else {
             return;
         };
-        let saw_response = self.saw_response;
+        // No response headers at all: connect failure, reset or timeout upstream, unless the
+        // client went away first (not the worker's fault).
+        let worker_failed = !self.saw_response
+            && !hostcalls::get_property(vec!["response", "code_details"])
+                .ok()
+                .flatten()
+                .is_some_and(|d| d.starts_with(b"downstream"));
         self.with(|s| {
             let now = now_ms();
             let mut evs = Vec::new();
-            if !saw_response {
-                // No response headers at all: connect failure, reset, or timeout.
+            if worker_failed {
                 if let Some(wm) = s.metrics.worker(d.target) {
                     wm.failures.inc();
                 }

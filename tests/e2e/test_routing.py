@@ -232,3 +232,23 @@ def test_endpoint_mode_steers_by_ip_and_port():
         with ThreadPoolExecutor(9) as ex:
             served = Counter(ex.map(lambda i: ok(s, completion(text(500 + i, 3000), max_tokens=32))[0]["x-worker-id"], range(18)))
         assert len(served) == 3, served
+
+
+def test_client_going_away_is_not_a_worker_failure():
+    import socket
+    # Slow engine: the client is gone long before the first byte.
+    with Stack(decode_fleet(1), kvroute={}, speedup=0.5) as s:
+        body = json.dumps(completion(text(51, 40000), max_tokens=4)).encode()
+        for _ in range(3):
+            c = socket.create_connection(("127.0.0.1", s.listen))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.05)
+            c.close()
+        time.sleep(0.5)
+        st = s.stats()
+        assert st['kvroute_requests_total{outcome="routed"}'] == 3
+        assert st['kvroute_worker_failures_total{worker="decode-1"}'] == 0
+        assert st["kvroute_worker_healthy{worker=\"decode-1\"}"] == 1
+        # Released: nothing stays in flight.
+        assert st["kvroute_active_requests"] == 0
