@@ -134,7 +134,10 @@ def run() -> int:
                              start_new_session=True)
         pids.append(p.pid)
     log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
-    e = subprocess.Popen([kvstack.ENVOY, "-c", os.path.join(ROOT, "envoy", "demo.yaml"), "--concurrency", "2"],
+    # Envoy exits with SIGTERM when the process that started it exits, so a shell that waits
+    # for it stays behind as its parent; `stop` signals the whole process group.
+    e = subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", kvstack.ENVOY, "-c",
+                          os.path.join(ROOT, "envoy", "demo.yaml"), "--concurrency", "2"],
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     pids.append(e.pid)
     with open(os.path.join(RUN_DIR, "pids"), "w") as f:
@@ -157,8 +160,9 @@ def stop(quiet: bool = False) -> int:
         return 0
     for pid in open(path).read().split():
         try:
-            os.kill(int(pid), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
+            # Each process leads its own group (start_new_session): signal the group.
+            os.killpg(int(pid), signal.SIGTERM)
+        except (ProcessLookupError, PermissionError, ValueError):
             pass
     os.remove(path)
     if not quiet:
