@@ -166,7 +166,11 @@ impl State {
         self.drain();
         let (lost, _) = self.router.tick(now);
         self.metrics.expired_requests.add(lost as u64);
-        self.publish_gauges(now);
+        // Gauges are process-wide and every VM writes them: only VMs that route hold the
+        // replicated state (the others keep a raw backlog) and may publish it.
+        if self.serving {
+            self.publish_gauges(now);
+        }
     }
 
     fn publish_gauges(&self, now: u64) {
