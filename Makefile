@@ -96,6 +96,14 @@ _test_wasm:
 test-e2e: wasm mock-worker venv
 	$(PY) -m pytest tests/e2e -q
 
+# ---- lint gate: formatting, clippy with the no-panic lints (Cargo.toml [lints.clippy]) on
+# the filter crate's library code, clippy on the rest of the workspace.
+.PHONY: lint
+lint:
+	cargo fmt --all --check
+	cargo clippy -p kvroute --lib --all-features -- -D warnings
+	cargo clippy --workspace --all-targets -- -D warnings -A clippy::unwrap_used -A clippy::expect_used -A clippy::panic -A clippy::indexing_slicing
+
 # ---- benchmarks
 .PHONY: bench-core
 bench-core:

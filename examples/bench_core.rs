@@ -133,17 +133,111 @@ struct Corpus {
 }
 
 const WORDS: &[&str] = &[
-    "the", "of", "and", "to", "a", "in", "is", "that", "for", "it", "as", "was", "with", "be",
-    "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
-    "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has",
-    "there", "been", "if", "more", "when", "will", "would", "who", "so", "no", "model",
-    "request", "cache", "worker", "prefix", "token", "latency", "throughput", "cluster",
-    "memory", "server", "function", "return", "value", "system", "answer", "question",
-    "document", "section", "table", "result", "between", "through", "because", "however",
-    "important", "different", "following", "example", "information", "available", "process",
-    "development", "government", "international", "experience", "particular", "understand",
-    "together", "another", "without", "something", "children", "problem", "number", "people",
-    "should", "could", "about", "after", "first", "other", "these", "where", "while", "under",
+    "the",
+    "of",
+    "and",
+    "to",
+    "a",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "had",
+    "they",
+    "you",
+    "were",
+    "their",
+    "one",
+    "all",
+    "we",
+    "can",
+    "her",
+    "has",
+    "there",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "model",
+    "request",
+    "cache",
+    "worker",
+    "prefix",
+    "token",
+    "latency",
+    "throughput",
+    "cluster",
+    "memory",
+    "server",
+    "function",
+    "return",
+    "value",
+    "system",
+    "answer",
+    "question",
+    "document",
+    "section",
+    "table",
+    "result",
+    "between",
+    "through",
+    "because",
+    "however",
+    "important",
+    "different",
+    "following",
+    "example",
+    "information",
+    "available",
+    "process",
+    "development",
+    "government",
+    "international",
+    "experience",
+    "particular",
+    "understand",
+    "together",
+    "another",
+    "without",
+    "something",
+    "children",
+    "problem",
+    "number",
+    "people",
+    "should",
+    "could",
+    "about",
+    "after",
+    "first",
+    "other",
+    "these",
+    "where",
+    "while",
+    "under",
 ];
 
 impl Corpus {
@@ -191,7 +285,10 @@ impl Corpus {
         while self.text[end] != b' ' {
             end += 1;
         }
-        Seg { start: start as u32, end: end as u32 }
+        Seg {
+            start: start as u32,
+            end: end as u32,
+        }
     }
 
     fn bytes(&self, s: Seg) -> &[u8] {
@@ -235,7 +332,14 @@ impl Workload {
         let mut r = Rand(seed);
         let lens = layout(tokens);
         let groups = (0..GROUPS).map(|_| c.seg(&mut r, lens[0])).collect();
-        Workload { id: seed, tokens, groups, ring: Vec::new(), ring_pos: 0, r }
+        Workload {
+            id: seed,
+            tokens,
+            groups,
+            ring: Vec::new(),
+            ring_pos: 0,
+            r,
+        }
     }
 
     fn next(&mut self, c: &Corpus) -> ([Seg; 8], Mix) {
@@ -313,7 +417,13 @@ fn body(c: &Corpus, kind: ApiKind, segs: &[Seg; 8], out: &mut Vec<u8>) {
 fn config(workers: usize) -> Config {
     let cap = TOTAL_ENTRIES.div_ceil(workers);
     let list: Vec<String> = (0..workers)
-        .map(|i| format!(r#"{{"name":"w{i}","endpoint":"10.0.{}.{}:8000","kv_blocks":{cap}}}"#, i / 250, i % 250 + 1))
+        .map(|i| {
+            format!(
+                r#"{{"name":"w{i}","endpoint":"10.0.{}.{}:8000","kv_blocks":{cap}}}"#,
+                i / 250,
+                i % 250 + 1
+            )
+        })
         .collect();
     let json = format!(
         r#"{{"workers":[{}],"block_size":{BLOCK_SIZE},"chars_per_token":{BYTES_PER_TOKEN}.0,
@@ -365,7 +475,12 @@ impl Bench {
         let hit = d.predicted_hit();
         let blocks = d.hashes.len();
         let new_blocks = blocks.saturating_sub((d.overlap_tokens / BLOCK_SIZE) as usize);
-        self.inflight.push_back(InFlight { d, workload, segs, first_byte: false });
+        self.inflight.push_back(InFlight {
+            d,
+            workload,
+            segs,
+            first_byte: false,
+        });
         let t = Instant::now();
         // The filter runs the index insert after the request left (a self-addressed queue
         // wake-up), so it is not part of route time; it is counted with the release work.
@@ -387,7 +502,14 @@ impl Bench {
             }
         }
         let release_ns = t.elapsed().as_nanos() as u64;
-        Step { route_ns, release_ns, hit, blocks, new_blocks, retired }
+        Step {
+            route_ns,
+            release_ns,
+            hit,
+            blocks,
+            new_blocks,
+            retired,
+        }
     }
 
     fn drain(&mut self) {
@@ -400,29 +522,49 @@ impl Bench {
     }
 
     fn entries(&self) -> usize {
-        (0..self.workers).map(|w| self.router.index().entries(w as u16)).sum()
+        (0..self.workers)
+            .map(|w| self.router.index().entries(w as u16))
+            .sum()
     }
 }
 
 /// Fills the index through `route` until every worker's LRU is at capacity.
 fn fill(c: &Corpus, workers: usize, seed: u64) -> (Bench, usize, f64) {
     let router = Router::new(config(workers), 1, seed);
-    let mut bench = Bench { router, workers, now: T0, inflight: VecDeque::new() };
+    let mut bench = Bench {
+        router,
+        workers,
+        now: T0,
+        inflight: VecDeque::new(),
+    };
     let cap = TOTAL_ENTRIES.div_ceil(workers);
     let total_cap = cap * workers;
     let sizes = [2048, 8192, 16384, 32768];
-    let mut loads: Vec<Workload> =
-        sizes.iter().enumerate().map(|(i, &t)| Workload::new(c, t, seed ^ ((i as u64 + 1) * 7919))).collect();
+    let mut loads: Vec<Workload> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| Workload::new(c, t, seed ^ ((i as u64 + 1) * 7919)))
+        .collect();
     let mut r = Rand(seed);
     let mut buf = Vec::new();
     let mut routes = 0;
     let start = Instant::now();
     // Full when all but a few workers are within a block of capacity.
-    let full = |b: &Bench| (0..workers).filter(|&w| b.router.index().entries(w as u16) + 1 >= cap).count() * 100 >= workers * 99;
+    let full = |b: &Bench| {
+        (0..workers)
+            .filter(|&w| b.router.index().entries(w as u16) + 1 >= cap)
+            .count()
+            * 100
+            >= workers * 99
+    };
     while !(bench.entries() * 1000 >= total_cap * 995 && full(&bench)) && routes < 200_000 {
         let k = r.below(loads.len());
         let (segs, _) = loads[k].next(c);
-        let kind = if r.below(2) == 0 { ApiKind::Completions } else { ApiKind::ChatCompletions };
+        let kind = if r.below(2) == 0 {
+            ApiKind::Completions
+        } else {
+            ApiKind::ChatCompletions
+        };
         body(c, kind, &segs, &mut buf);
         let st = bench.step(kind, &buf, loads[k].id, segs);
         if let Some((id, segs)) = st.retired {
@@ -506,7 +648,12 @@ fn run_case(b: &mut Bench, c: &Corpus, kind: ApiKind, tokens: usize, seed: u64) 
         hit += st.hit;
         blocks += st.blocks;
     }
-    CaseResult { route: Stats::new(route), finish: Stats::new(finish), hit: hit / n as f64, blocks: blocks as f64 / n as f64 }
+    CaseResult {
+        route: Stats::new(route),
+        finish: Stats::new(finish),
+        hit: hit / n as f64,
+        blocks: blocks as f64 / n as f64,
+    }
 }
 
 /// 32k tokens, 64 workers: the pieces of `route` timed on their own.
@@ -514,7 +661,10 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
     let tokens = 32768;
     let n = 1000;
     let mut wl = Workload::new(c, tokens, seed);
-    let hp = HashParams { block_size: b.router.config().block_size, chars_per_token: b.router.config().chars_per_token };
+    let hp = HashParams {
+        block_size: b.router.config().block_size,
+        chars_per_token: b.router.config().chars_per_token,
+    };
     let mut buf = Vec::new();
     for _ in 0..WARMUP {
         one(b, c, &mut wl, kind, &mut buf);
@@ -541,12 +691,17 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
         drop(req);
         // index lookup alone (read-only, before route inserts the prompt)
         let t = Instant::now();
-        b.router.index().lookup(black_box(&ph.blocks), now, &mut held);
+        b.router
+            .index()
+            .lookup(black_box(&ph.blocks), now, &mut held);
         t_lookup.push(t.elapsed().as_nanos() as u64);
         black_box(&held);
         // candidates + pick + alternates, as route does them (over the live load table)
         let tokens_est = ph.est_tokens;
-        let shape = RequestShape { prompt_tokens: tokens_est, total_blocks: tokens_est.div_ceil(BLOCK_SIZE) + 16 };
+        let shape = RequestShape {
+            prompt_tokens: tokens_est,
+            total_blocks: tokens_est.div_ceil(BLOCK_SIZE) + 16,
+        };
         let t = Instant::now();
         let cands: Vec<Candidate> = (0..b.workers)
             .map(|w| Candidate {
@@ -557,7 +712,10 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
             })
             .collect();
         let pick = select::pick(&sp, &cands, &shape, &mut rng);
-        let mut rest: Vec<(f64, u16)> = cands.iter().map(|c| (select::cost(&sp, c, &shape), c.id)).collect();
+        let mut rest: Vec<(f64, u16)> = cands
+            .iter()
+            .map(|c| (select::cost(&sp, c, &shape), c.id))
+            .collect();
         rest.sort_by(|a, b| a.0.total_cmp(&b.0));
         black_box((&pick, &rest));
         t_select.push(t.elapsed().as_nanos() as u64);
@@ -597,7 +755,9 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
         }
     }
     let ph: Vec<u64> = t_parse.iter().zip(&t_hash).map(|(a, b)| a + b).collect();
-    let rest: Vec<u64> = (0..n).map(|i| t_route[i].saturating_sub(ph[i] + t_lookup[i])).collect();
+    let rest: Vec<u64> = (0..n)
+        .map(|i| t_route[i].saturating_sub(ph[i] + t_lookup[i]))
+        .collect();
     let s = Stats::new;
     let (parse_s, hash_s, ph_s, lookup_s, rest_s, select_s, route_s, add_s, free_s) = (
         s(t_parse),
@@ -618,16 +778,28 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
         full,
         full_p50
     );
-    println!("    {:<50} {:>9} {:>9} {:>8}", "piece", "p50 µs", "p99 µs", "% route");
+    println!(
+        "    {:<50} {:>9} {:>9} {:>8}",
+        "piece", "p50 µs", "p99 µs", "% route"
+    );
     let line = |name: &str, x: &Stats| {
-        println!("    {:<50} {:>9.1} {:>9.1} {:>7.0}%", name, x.pct(0.5), x.pct(0.99), x.pct(0.5) / full * 100.0)
+        println!(
+            "    {:<50} {:>9.1} {:>9.1} {:>7.0}%",
+            name,
+            x.pct(0.5),
+            x.pct(0.99),
+            x.pct(0.5) / full * 100.0
+        )
     };
     line("Router::route (full path)", &route_s);
     line("parse + hash (request::parse + prompt_hashes)", &ph_s);
     line("  request::parse", &parse_s);
     line("  hashing::prompt_hashes", &hash_s);
     line("index lookup (PrefixIndex::lookup)", &lookup_s);
-    line("the rest (route - parse+hash - lookup, per request)", &rest_s);
+    line(
+        "the rest (route - parse+hash - lookup, per request)",
+        &rest_s,
+    );
     line("  ~ candidates + pick + alternates (replayed)", &select_s);
     line("  ~ LoadTable::add (standalone table, same hashes)", &add_s);
     let remainder = rest_s.pct(0.5) - select_s.pct(0.5) - add_s.pct(0.5);
@@ -666,7 +838,9 @@ struct Mem {
 }
 
 fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.trim().to_string()).unwrap_or_else(|_| "n/a".into())
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "n/a".into())
 }
 
 fn mib(b: usize) -> f64 {
@@ -679,7 +853,9 @@ fn main() {
     println!(
         "load average at start: {}   (cpus: {})",
         loadavg(),
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
     );
     println!(
         "block_size {BLOCK_SIZE} tokens, {BYTES_PER_TOKEN} bytes/token (64-byte text blocks); index capacity {TOTAL_ENTRIES} entries over the workers; {INFLIGHT} requests in flight"
@@ -702,7 +878,12 @@ fn main() {
         let router_heap = live_heap() - before;
         let ix = bench.router.index();
         let blocks = ix.blocks();
-        let filled = Mem { blocks, bytes: ix.memory_bytes(), entries: bench.entries(), heap: router_heap };
+        let filled = Mem {
+            blocks,
+            bytes: ix.memory_bytes(),
+            entries: bench.entries(),
+            heap: router_heap,
+        };
         let bpb = ix.memory_bytes() as f64 / blocks as f64;
         println!();
         if blocks.abs_diff(TARGET_BLOCKS) > TARGET_BLOCKS / 5 {
@@ -717,7 +898,18 @@ fn main() {
         );
         println!(
             "{:>7} {:>11} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>6} {:>10} {:>10} {:>9}",
-            "workers", "api", "tokens", "blocks", "iters", "p50 µs", "p99 µs", "max µs", "hit%", "fin p50µs", "fin p99µs", "idx blks"
+            "workers",
+            "api",
+            "tokens",
+            "blocks",
+            "iters",
+            "p50 µs",
+            "p99 µs",
+            "max µs",
+            "hit%",
+            "fin p50µs",
+            "fin p99µs",
+            "idx blks"
         );
         for (si, &tokens) in SIZES.iter().enumerate() {
             if quick && tokens != 32768 {
@@ -752,13 +944,22 @@ fn main() {
         }
         bench.drain();
         let ix = bench.router.index();
-        let after = Mem { blocks: ix.blocks(), bytes: ix.memory_bytes(), entries: bench.entries(), heap: live_heap() - before };
+        let after = Mem {
+            blocks: ix.blocks(),
+            bytes: ix.memory_bytes(),
+            entries: bench.entries(),
+            heap: live_heap() - before,
+        };
         idx_rows.push((workers, filled, after));
         if workers == 64 {
             println!();
             println!("-- break-down, 32k tokens, 64 workers (pieces timed separately on the same bodies and router):");
             for kind in [ApiKind::Completions, ApiKind::ChatCompletions] {
-                let full = target_rows.iter().find(|t| t.0 == kind).map(|t| t.1).unwrap_or(0.0);
+                let full = target_rows
+                    .iter()
+                    .find(|t| t.0 == kind)
+                    .map(|t| t.1)
+                    .unwrap_or(0.0);
                 breakdown(&mut bench, &corpus, kind, full, 77 + kind as u64);
             }
         }
@@ -770,7 +971,14 @@ fn main() {
     println!("   wrapping global allocator: index + load table + config; all requests finished)");
     println!(
         "{:>7} {:<12} {:>9} {:>10} {:>10} {:>9} {:>9} {:>16}",
-        "workers", "state", "blocks", "holders/b", "index MiB", "B/block", "B/entry", "router heap MiB"
+        "workers",
+        "state",
+        "blocks",
+        "holders/b",
+        "index MiB",
+        "B/block",
+        "B/entry",
+        "router heap MiB"
     );
     for (w, filled, after) in &idx_rows {
         for (state, m) in [("after fill", filled), ("after runs", after)] {
@@ -811,5 +1019,9 @@ fn main() {
         }
     }
     println!();
-    println!("load average at end: {}   total {:.1} s", loadavg(), started.elapsed().as_secs_f64());
+    println!(
+        "load average at end: {}   total {:.1} s",
+        loadavg(),
+        started.elapsed().as_secs_f64()
+    );
 }

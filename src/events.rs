@@ -369,7 +369,10 @@ mod tests {
         assert_eq!(decode(&[]), Err(DecodeError::Empty));
         assert_eq!(decode(&[9, 1]), Err(DecodeError::Version(9)));
         assert_eq!(decode(&[VERSION, 1, 2]), Err(DecodeError::Truncated));
-        assert_eq!(decode(&[VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 200]), Err(DecodeError::UnknownTag(200)));
+        assert_eq!(
+            decode(&[VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 200]),
+            Err(DecodeError::UnknownTag(200))
+        );
         // A hash count far beyond the message must not allocate or panic.
         let mut bad = vec![VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0];
         bad.extend_from_slice(&u32::MAX.to_le_bytes());

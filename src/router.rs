@@ -123,7 +123,11 @@ impl Router {
             }
         }
         // Size the hash table up front: growing it rehashes every entry inside one request.
-        let total: u64 = cfg.workers.iter().map(|w| u64::from(cfg.kv_blocks(w))).sum();
+        let total: u64 = cfg
+            .workers
+            .iter()
+            .map(|w| u64::from(cfg.kv_blocks(w)))
+            .sum();
         index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
@@ -258,7 +262,8 @@ impl Router {
             Event::Routed { hashes, .. } => hashes.clone(),
             _ => Vec::new(),
         };
-        self.pending.push((pick.id, prefill, hashes.clone(), now_ms));
+        self.pending
+            .push((pick.id, prefill, hashes.clone(), now_ms));
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
@@ -363,7 +368,17 @@ impl Router {
 
     /// The load part of a Routed event (the prefix part is deferred for local decisions).
     fn charge(&mut self, e: &Event) {
-        if let Event::Routed { id, now_ms, worker, prefill_worker, cached_blocks, tail_blocks, prefill_tokens, hashes } = e {
+        if let Event::Routed {
+            id,
+            now_ms,
+            worker,
+            prefill_worker,
+            cached_blocks,
+            tail_blocks,
+            prefill_tokens,
+            hashes,
+        } = e
+        {
             self.load.add(&NewRequest {
                 id: *id,
                 worker: *worker,
@@ -377,7 +392,13 @@ impl Router {
         }
     }
 
-    fn record_prefix(&mut self, worker: WorkerId, prefill: Option<WorkerId>, hashes: &[u64], at: u64) {
+    fn record_prefix(
+        &mut self,
+        worker: WorkerId,
+        prefill: Option<WorkerId>,
+        hashes: &[u64],
+        at: u64,
+    ) {
         if hashes.is_empty() {
             return;
         }
@@ -405,7 +426,13 @@ impl Router {
     /// Applies an event, local or replicated from another thread.
     pub fn apply(&mut self, e: &Event, now_ms: u64) {
         match e {
-            Event::Routed { now_ms: at, worker, prefill_worker, hashes, .. } => {
+            Event::Routed {
+                now_ms: at,
+                worker,
+                prefill_worker,
+                hashes,
+                ..
+            } => {
                 self.charge(e);
                 self.record_prefix(*worker, *prefill_worker, hashes, *at);
             }
@@ -734,9 +761,17 @@ mod tests {
     #[test]
     fn partial_orca_report_keeps_the_other_metric() {
         let mut r = Router::new(cfg(""), 1, 3);
-        let full = OrcaLoad { kv_usage: Some(0.5), waiting: Some(3), running: None };
+        let full = OrcaLoad {
+            kv_usage: Some(0.5),
+            waiting: Some(3),
+            running: None,
+        };
         r.on_orca(0, &full, 10);
-        let partial = OrcaLoad { kv_usage: None, waiting: Some(7), running: None };
+        let partial = OrcaLoad {
+            kv_usage: None,
+            waiting: Some(7),
+            running: None,
+        };
         r.on_orca(0, &partial, 20);
         let rep = r.worker_view(0, 20).report.unwrap();
         assert_eq!((rep.kv_usage, rep.waiting), (0.5, 7));

@@ -283,11 +283,12 @@ impl HttpContext for Http {
             .flatten();
         // Set by Envoy with `include_attempt_count_in_response`: > 1 means the first try (on
         // the chosen worker, priority 0 of its cluster) failed and a retry answered.
-        let attempts: u32 = hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
-            .ok()
-            .flatten()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1);
+        let attempts: u32 =
+            hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
+                .ok()
+                .flatten()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(1);
         let upstream = hostcalls::get_property(vec!["upstream", "address"])
             .ok()
             .flatten()

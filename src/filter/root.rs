@@ -141,7 +141,9 @@ impl State {
             match events::decode(msg) {
                 Ok((sent_ns, evs)) => {
                     self.metrics.repl_received.add(evs.len() as u64);
-                    self.metrics.repl_delay_us.record(now_ns().saturating_sub(sent_ns) / 1000);
+                    self.metrics
+                        .repl_delay_us
+                        .record(now_ns().saturating_sub(sent_ns) / 1000);
                     for e in &evs {
                         self.router.apply(e, now);
                     }
