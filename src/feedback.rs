@@ -159,6 +159,62 @@ fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
         .find(|&i| hay.get(i..i + needle.len()) == Some(needle))
 }
 
+/// What a response (or its absence) says about the worker the request was steered to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The worker failed: an error status, or Envoy had to retry elsewhere, or no answer.
+    Failure,
+    /// A success verifiably served by the chosen worker (may end its cooldown early).
+    Success,
+    /// Nothing to learn about the worker's health.
+    Neutral,
+    /// The client went away before any answer: not the worker's fault.
+    ClientGone,
+}
+
+/// Classifies the answer to a steered request.
+///
+/// `status` is `None` when no response headers arrived (connect failure, reset, timeout, or
+/// a client that left first, which `code_details` starting with `downstream` tells apart).
+/// `attempts` is Envoy's `x-envoy-attempt-count`: above 1, the first try on the chosen
+/// worker (priority 0 of its cluster) failed and a retry answered. `same_host` says whether
+/// the upstream address equals the chosen worker's endpoint (`None`: not comparable).
+pub fn classify(
+    status: Option<u32>,
+    attempts: u32,
+    same_host: Option<bool>,
+    code_details: Option<&str>,
+) -> Outcome {
+    let Some(status) = status else {
+        return if code_details.is_some_and(|d| d.starts_with("downstream")) {
+            Outcome::ClientGone
+        } else {
+            Outcome::Failure
+        };
+    };
+    let failed = status >= 500 || status == 429;
+    // With priority failover, Envoy may have retried on another worker.
+    let moved = attempts > 1 || same_host == Some(false);
+    if failed || moved {
+        Outcome::Failure
+    } else if (200..300).contains(&status) && same_host == Some(true) {
+        // Ending a cooldown early needs proof the worker itself answered; an outlier
+        // ejection in Envoy can serve the chosen cluster from its failover hosts.
+        Outcome::Success
+    } else {
+        Outcome::Neutral
+    }
+}
+
+/// Whether the answer verifiably came from `endpoint`: only an `ip:port` endpoint can be
+/// compared with the upstream address (a DNS name resolves to something else).
+pub fn same_host(endpoint: Option<&str>, upstream: Option<&str>) -> Option<bool> {
+    match (endpoint, upstream) {
+        (Some(ep), Some(up)) if ep.parse::<std::net::SocketAddr>().is_ok() => Some(ep == up),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +290,56 @@ mod tests {
         tail.push(br#","usage":{"prompt_tokens":3,"completion_tokens":1}}"#);
         assert!(tail.buf.len() <= 2 * TAIL);
         assert_eq!(tail.usage().map(|u| u.prompt_tokens), Some(3));
+    }
+    #[test]
+    fn classify_statuses_retries_and_hosts() {
+        use Outcome::*;
+        assert_eq!(classify(Some(200), 1, Some(true), None), Success);
+        assert_eq!(classify(Some(200), 1, None, None), Neutral);
+        assert_eq!(classify(Some(404), 1, Some(true), None), Neutral);
+        assert_eq!(classify(Some(500), 1, Some(true), None), Failure);
+        assert_eq!(classify(Some(503), 1, None, None), Failure);
+        assert_eq!(classify(Some(429), 1, Some(true), None), Failure);
+        assert_eq!(classify(Some(200), 2, Some(true), None), Failure);
+        assert_eq!(classify(Some(200), 1, Some(false), None), Failure);
+        // Status 0 stands for a missing :status: neither failure nor proof.
+        assert_eq!(classify(Some(0), 1, Some(true), None), Neutral);
+    }
+
+    #[test]
+    fn classify_missing_response() {
+        use Outcome::*;
+        assert_eq!(classify(None, 1, None, None), Failure);
+        assert_eq!(
+            classify(
+                None,
+                1,
+                None,
+                Some("upstream_reset_before_response_started")
+            ),
+            Failure
+        );
+        assert_eq!(
+            classify(None, 1, None, Some("downstream_remote_disconnect")),
+            ClientGone
+        );
+    }
+
+    #[test]
+    fn same_host_needs_an_ip_endpoint() {
+        assert_eq!(
+            same_host(Some("10.0.0.1:8000"), Some("10.0.0.1:8000")),
+            Some(true)
+        );
+        assert_eq!(
+            same_host(Some("10.0.0.1:8000"), Some("10.0.0.2:8000")),
+            Some(false)
+        );
+        assert_eq!(
+            same_host(Some("worker-a:8000"), Some("10.0.0.2:8000")),
+            None
+        );
+        assert_eq!(same_host(None, Some("10.0.0.2:8000")), None);
+        assert_eq!(same_host(Some("10.0.0.1:8000"), None), None);
     }
 }

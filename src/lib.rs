@@ -14,6 +14,7 @@ pub mod request;
 pub mod rng;
 pub mod router;
 pub mod select;
+pub mod steer;
 
 #[cfg(feature = "filter")]
 mod filter;

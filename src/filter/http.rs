@@ -1,23 +1,23 @@
 //! One HTTP stream: buffer an inference request, route it, steer it, and feed what the
 //! worker answers back into the router.
 
-use super::root::State;
-use super::{log, now_ms, now_ns};
-use crate::config::{DisaggMode, SteeringMode};
+use super::host::Calls;
+use super::state::State;
 use crate::events::Event;
-use crate::feedback::{parse_orca, UsageTail};
+use crate::feedback::{self, Outcome, UsageTail};
 use crate::request::ApiKind;
 use crate::router::{Decision, RouteResult};
-use proxy_wasm::hostcalls;
+use crate::steer::{self, ORCA_RESPONSE};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
 
-const ORCA_REQUEST: &str = "endpoint-load-metrics-format";
-const ORCA_RESPONSE: &str = "endpoint-load-metrics";
+const BUSY_BODY: &[u8] =
+    br#"{"error":{"message":"all inference workers are busy","type":"overloaded","code":429}}"#;
 
 pub struct Http {
+    host: Rc<Calls>,
     st: Option<Rc<RefCell<State>>>,
     kind: Option<ApiKind>,
     routed: bool,
@@ -29,8 +29,9 @@ pub struct Http {
 }
 
 impl Http {
-    pub fn new(st: Option<Rc<RefCell<State>>>) -> Self {
+    pub fn new(host: Rc<Calls>, st: Option<Rc<RefCell<State>>>) -> Self {
         Http {
+            host,
             st,
             kind: None,
             routed: false,
@@ -55,21 +56,24 @@ impl Http {
         let Some(kind) = self.kind else {
             return Action::Continue;
         };
-        let t0 = now_ns();
-        let now = now_ms();
+        let host = &self.host;
+        let t0 = host.now_ns();
+        let now = t0 / 1_000_000;
         let outcome = self.with(|s| {
             s.start_serving();
             let res = s.router.route(kind, body, now);
             s.metrics
                 .route_time_us
-                .record(now_ns().saturating_sub(t0) / 1000);
+                .record(host.now_ns().saturating_sub(t0) / 1000);
             match res {
                 RouteResult::Rejected => {
                     s.metrics.rejected.inc();
                     None
                 }
                 RouteResult::Routed(d) => {
-                    steer(s, &d);
+                    for (name, value) in steer::request_headers(&s.router, &d) {
+                        host.set_header(MapType::HttpRequestHeaders, name, Some(&value));
+                    }
                     record_decision(s, &d);
                     s.broadcast(std::slice::from_ref(&d.event));
                     s.defer_flush();
@@ -83,11 +87,10 @@ impl Http {
                 Action::Continue
             }
             Some(None) => {
-                let body = br#"{"error":{"message":"all inference workers are busy","type":"overloaded","code":429}}"#;
-                let _ = hostcalls::send_http_response(
+                host.send_response(
                     429,
-                    vec![("content-type", "application/json"), ("retry-after", "1")],
-                    Some(body),
+                    &[("content-type", "application/json"), ("retry-after", "1")],
+                    BUSY_BODY,
                 );
                 Action::Pause
             }
@@ -105,20 +108,18 @@ impl Http {
             return;
         };
         // No response headers at all: connect failure, reset or timeout upstream, unless the
-        // client went away first (not the worker's fault).
-        let worker_failed = !self.saw_response
-            && !hostcalls::get_property(vec!["response", "code_details"])
-                .ok()
-                .flatten()
-                .is_some_and(|d| d.starts_with(b"downstream"));
+        // client went away first. With a response, on_http_response_headers judged it.
+        let outcome = if self.saw_response {
+            Outcome::Neutral
+        } else {
+            let details = self.host.property_string(&["response", "code_details"]);
+            feedback::classify(None, 1, None, details.as_deref())
+        };
+        let now = self.host.now_ms();
         self.with(|s| {
-            let now = now_ms();
             let mut evs = Vec::new();
-            if worker_failed {
-                if let Some(wm) = s.metrics.worker(d.target) {
-                    wm.failures.inc();
-                }
-                evs.extend(s.router.on_failure(&d, d.target, now));
+            if outcome == Outcome::Failure {
+                record_failure(s, &d, now, &mut evs);
             }
             evs.push(s.router.on_finish(&d, now));
             s.broadcast(&evs);
@@ -126,41 +127,11 @@ impl Http {
     }
 }
 
-fn set_request_header(name: &str, value: &str) {
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
-}
-
-fn steer(s: &State, d: &Decision) {
-    let r = &s.router;
-    let cfg = r.config();
-    let header = cfg.steering.header_name();
-    match cfg.steering.mode {
-        SteeringMode::Cluster => set_request_header(header, r.worker_cluster(d.target)),
-        SteeringMode::Endpoint => {
-            let list: Vec<&str> = std::iter::once(d.target)
-                .chain(d.alternates.iter().copied())
-                .filter_map(|w| r.worker_endpoint(w))
-                .collect();
-            if !list.is_empty() {
-                set_request_header(header, &list.join(","));
-            }
-        }
+fn record_failure(s: &mut State, d: &Decision, now: u64, evs: &mut Vec<Event>) {
+    if let Some(wm) = s.metrics.worker(d.target) {
+        wm.failures.inc();
     }
-    if let Some(p) = d.prefill {
-        match cfg.disaggregation.mode {
-            DisaggMode::Kvroute => {
-                if let Some(ep) = r.worker_endpoint(d.decode) {
-                    set_request_header(&cfg.disaggregation.decode_header, ep);
-                }
-            }
-            DisaggMode::LlmD => {
-                if let Some(ep) = r.worker_endpoint(p) {
-                    set_request_header(&cfg.disaggregation.prefiller_header, ep);
-                }
-            }
-        }
-    }
-    set_request_header(ORCA_REQUEST, "TEXT");
+    evs.extend(s.router.on_failure(d, d.target, now));
 }
 
 fn record_decision(s: &State, d: &Decision) {
@@ -203,38 +174,23 @@ impl HttpContext for Http {
         let Some(st) = &self.st else {
             return Action::Continue;
         };
-        let (routes, strip) = match st.try_borrow() {
-            Ok(s) => {
-                let cfg = s.router.config();
-                let strip = [
-                    cfg.steering.header_name().to_string(),
-                    cfg.disaggregation.decode_header.clone(),
-                    cfg.disaggregation.prefiller_header.clone(),
-                ];
-                (cfg.routes.clone(), strip)
-            }
-            Err(_) => return Action::Continue,
+        let Ok(s) = st.try_borrow() else {
+            return Action::Continue;
         };
+        let host = &self.host;
         // A client must never choose the worker itself.
-        for h in &strip {
-            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, h, None);
+        for h in s.intercept.strip() {
+            host.set_header(MapType::HttpRequestHeaders, h, None);
         }
-        let method = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":method")
-            .ok()
-            .flatten();
-        let path = hostcalls::get_map_value(MapType::HttpRequestHeaders, ":path")
-            .ok()
-            .flatten()
+        let method = host.header(MapType::HttpRequestHeaders, ":method");
+        let path = host
+            .header(MapType::HttpRequestHeaders, ":path")
             .unwrap_or_default();
-        let path = path.split('?').next().unwrap_or("");
-        if method.as_deref() != Some("POST") || !routes.iter().any(|r| r == path) {
+        self.kind = s.intercept.api_kind(method.as_deref(), &path);
+        drop(s);
+        if self.kind.is_none() {
             return Action::Continue;
         }
-        self.kind = Some(if path.ends_with("/chat/completions") {
-            ApiKind::ChatCompletions
-        } else {
-            ApiKind::Completions
-        });
         if end_of_stream {
             return self.route(&[]);
         }
@@ -250,9 +206,9 @@ impl HttpContext for Http {
             // Envoy buffers until the end of the body.
             return Action::Pause;
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
+        let body = self
+            .host
+            .buffer(BufferType::HttpRequestBody, body_size)
             .unwrap_or_default();
         self.route(&body)
     }
@@ -261,9 +217,9 @@ impl HttpContext for Http {
         if self.kind.is_none() || self.routed {
             return Action::Continue;
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX)
-            .ok()
-            .flatten()
+        let body = self
+            .host
+            .buffer(BufferType::HttpRequestBody, usize::MAX)
             .unwrap_or_default();
         self.route(&body)
     }
@@ -273,50 +229,26 @@ impl HttpContext for Http {
         let Some(d) = self.decision.clone() else {
             return Action::Continue;
         };
-        let status: u32 = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten()
+        let host = &self.host;
+        let header = |name| host.header(MapType::HttpResponseHeaders, name);
+        let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let orca = header(ORCA_RESPONSE);
+        // Set by Envoy with `include_attempt_count_in_response`.
+        let attempts: u32 = header("x-envoy-attempt-count")
             .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let orca = hostcalls::get_map_value(MapType::HttpResponseHeaders, ORCA_RESPONSE)
-            .ok()
-            .flatten();
-        // Set by Envoy with `include_attempt_count_in_response`: > 1 means the first try (on
-        // the chosen worker, priority 0 of its cluster) failed and a retry answered.
-        let attempts: u32 =
-            hostcalls::get_map_value(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
-                .ok()
-                .flatten()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(1);
-        let upstream = hostcalls::get_property(vec!["upstream", "address"])
-            .ok()
-            .flatten()
-            .and_then(|b| String::from_utf8(b).ok());
+            .unwrap_or(1);
+        let upstream = host.property_string(&["upstream", "address"]);
+        let now = host.now_ms();
         let debug = self.with(|s| {
-            let now = now_ms();
             let mut evs: Vec<Event> = Vec::new();
-            let failed = status >= 500 || status == 429;
-            // With priority failover, Envoy may have retried on another worker: the chosen
-            // one did not answer. Only comparable when the endpoint is an IP literal.
-            // Whether the answer verifiably came from the chosen worker: only an IP endpoint
-            // can be compared with the upstream address (DNS names resolve elsewhere).
-            let same_host = match (s.router.worker_endpoint(d.target), upstream.as_deref()) {
-                (Some(ep), Some(up)) if is_ip_endpoint(ep) => Some(ep == up),
-                _ => None,
-            };
-            let moved = attempts > 1 || same_host == Some(false);
-            if failed || moved {
-                if let Some(wm) = s.metrics.worker(d.target) {
-                    wm.failures.inc();
-                }
-                evs.extend(s.router.on_failure(&d, d.target, now));
-            } else if (200..300).contains(&status) && same_host == Some(true) {
-                // Ending a cooldown early needs proof the worker itself answered; an outlier
-                // ejection in Envoy can serve the chosen cluster from its failover hosts.
-                evs.extend(s.router.on_success(d.target, now));
+            let same_host =
+                feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
+            match feedback::classify(Some(status), attempts, same_host, None) {
+                Outcome::Failure => record_failure(s, &d, now, &mut evs),
+                Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
+                Outcome::Neutral | Outcome::ClientGone => {}
             }
-            if let Some(load) = orca.as_deref().and_then(parse_orca) {
+            if let Some(load) = orca.as_deref().and_then(feedback::parse_orca) {
                 s.metrics.orca_reports.inc();
                 evs.push(s.router.on_orca(d.target, &load, now));
             }
@@ -324,11 +256,17 @@ impl HttpContext for Http {
             s.router
                 .config()
                 .debug_headers
-                .then(|| debug_headers(s, &d))
+                .then(|| steer::debug_headers(&s.router, &d))
         });
         if let Some(Some(headers)) = debug {
+            if let Some(f) = &d.fallback {
+                host.log(
+                    LogLevel::Debug,
+                    &format!("kvroute: fallback routing: {f:?}"),
+                );
+            }
             for (k, v) in headers {
-                let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, k, Some(&v));
+                host.set_header(MapType::HttpResponseHeaders, k, Some(&v));
             }
         }
         Action::Continue
@@ -341,23 +279,23 @@ impl HttpContext for Http {
         if body_size > 0 {
             if !self.first_byte {
                 self.first_byte = true;
+                let now = self.host.now_ms();
                 self.with(|s| {
-                    let e = s.router.on_first_byte(&d, now_ms());
+                    let e = s.router.on_first_byte(&d, now);
                     s.broadcast(&[e]);
                 });
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.
-            if let Ok(Some(chunk)) =
-                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
-            {
+            if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
                 self.tail.push(&chunk);
             }
         }
         if end_of_stream {
             if let Some(u) = self.tail.usage() {
+                let now = self.host.now_ms();
                 self.with(|s| {
                     s.metrics.usage_reports.inc();
-                    let (out, ev) = s.router.on_usage(&d, &u, now_ms());
+                    let (out, ev) = s.router.on_usage(&d, &u, now);
                     if let Some(hit) = out.actual_hit {
                         s.metrics
                             .actual_hit_pct
@@ -378,35 +316,4 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         self.finish();
     }
-}
-
-fn debug_headers(s: &State, d: &Decision) -> Vec<(&'static str, String)> {
-    let r = &s.router;
-    let mut h = vec![
-        ("x-kvroute-worker", r.worker_name(d.decode).to_string()),
-        (
-            "x-kvroute-predicted-cached-tokens",
-            d.overlap_tokens.to_string(),
-        ),
-        ("x-kvroute-prompt-tokens", d.prompt_tokens.to_string()),
-    ];
-    if let Some(p) = d.prefill {
-        h.push(("x-kvroute-prefill-worker", r.worker_name(p).to_string()));
-        h.push((
-            "x-kvroute-decode-cached-tokens",
-            d.decode_overlap_tokens.to_string(),
-        ));
-    }
-    if let Some(f) = &d.fallback {
-        h.push(("x-kvroute-fallback", f.kind().to_string()));
-        log(
-            LogLevel::Debug,
-            &format!("kvroute: fallback routing: {f:?}"),
-        );
-    }
-    h
-}
-
-fn is_ip_endpoint(ep: &str) -> bool {
-    ep.parse::<std::net::SocketAddr>().is_ok()
 }

@@ -5,34 +5,35 @@
 //! Every VM defines the same names; Envoy keeps one stat per name for the whole process, so
 //! counters add up across threads and gauges (computed from each VM's full replica) agree.
 
-use proxy_wasm::hostcalls;
+use super::host::Calls;
 use proxy_wasm::types::MetricType;
+use std::rc::Rc;
 
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Id(Option<u32>);
-
-fn define(kind: MetricType, name: &str) -> Id {
-    Id(hostcalls::define_metric(kind, name).ok())
+/// A defined stat (or none, when the host refused to define it: then updates are no-ops).
+#[derive(Clone)]
+pub struct Id {
+    id: Option<u32>,
+    host: Rc<Calls>,
 }
 
 impl Id {
-    pub fn inc(self) {
+    pub fn inc(&self) {
         self.add(1);
     }
-    pub fn add(self, n: u64) {
-        if let Some(id) = self.0 {
-            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    pub fn add(&self, n: u64) {
+        if let Some(id) = self.id {
+            self.host.increment_metric(id, n);
         }
     }
     /// Gauge value, or a histogram sample.
-    pub fn record(self, v: u64) {
-        if let Some(id) = self.0 {
-            let _ = hostcalls::record_metric(id, v);
+    pub fn record(&self, v: u64) {
+        if let Some(id) = self.id {
+            self.host.record_metric(id, v);
         }
     }
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Clone)]
 pub struct WorkerMetrics {
     pub decisions: Id,
     pub failures: Id,
@@ -45,7 +46,7 @@ pub struct WorkerMetrics {
     pub index_blocks: Id,
 }
 
-#[derive(Debug, Default, Clone)]
+#[derive(Clone)]
 pub struct Metrics {
     pub routed: Id,
     pub fallback: Id,
@@ -75,11 +76,17 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn define(worker_names: &[&str]) -> Metrics {
+    /// Defines every stat, and makes `host` count its failed calls in `host_errors`.
+    pub fn define(host: &Rc<Calls>, worker_names: &[&str]) -> Metrics {
         use MetricType::{Counter, Gauge, Histogram};
+        let define = |kind, name: &str| Id {
+            id: host.define_metric(kind, name),
+            host: Rc::clone(host),
+        };
         let c = |n: &str| define(Counter, n);
         let g = |n: &str| define(Gauge, n);
         let h = |n: &str| define(Histogram, n);
+        host.set_error_metric(host.define_metric(Counter, "kvroute.host_errors.total"));
         Metrics {
             routed: c("kvroute.requests.routed.total"),
             fallback: c("kvroute.requests.fallback.total"),

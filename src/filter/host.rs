@@ -1,0 +1,173 @@
+//! Every proxy-wasm host call the adapter makes, behind `Host` (shared data and queues are
+//! behind `SharedBus`, see bus.rs). `ProxyHost` forwards to `proxy_wasm::hostcalls`; tests
+//! drive the contexts with a fake. `Calls` is what the adapter uses: it counts failed calls
+//! in `kvroute.host_errors.total` instead of dropping them.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
+use std::cell::Cell;
+use std::time::Duration;
+
+/// What a host call answers: a `Status` other than `Ok` is an error.
+pub type HostResult<T> = Result<T, Status>;
+
+pub trait Host {
+    fn header(&self, map: MapType, name: &str) -> HostResult<Option<String>>;
+    /// `None` removes the header.
+    fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()>;
+    fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>>;
+    fn property(&self, path: &[&str]) -> HostResult<Option<Vec<u8>>>;
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> HostResult<()>;
+    /// Wall-clock nanoseconds (the same clock in every VM of the process).
+    fn now_ns(&self) -> HostResult<u64>;
+    fn log(&self, level: LogLevel, msg: &str) -> HostResult<()>;
+    fn define_metric(&self, kind: MetricType, name: &str) -> HostResult<u32>;
+    fn increment_metric(&self, id: u32, n: i64) -> HostResult<()>;
+    fn record_metric(&self, id: u32, v: u64) -> HostResult<()>;
+    fn set_tick_period(&self, period: Duration) -> HostResult<()>;
+}
+
+pub struct ProxyHost;
+
+impl Host for ProxyHost {
+    fn header(&self, map: MapType, name: &str) -> HostResult<Option<String>> {
+        hostcalls::get_map_value(map, name)
+    }
+
+    fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()> {
+        hostcalls::set_map_value(map, name, value)
+    }
+
+    fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>> {
+        hostcalls::get_buffer(kind, start, max)
+    }
+
+    fn property(&self, path: &[&str]) -> HostResult<Option<Vec<u8>>> {
+        hostcalls::get_property(path.to_vec())
+    }
+
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> HostResult<()> {
+        hostcalls::send_http_response(status, headers.to_vec(), Some(body))
+    }
+
+    fn now_ns(&self) -> HostResult<u64> {
+        let t = hostcalls::get_current_time()?;
+        let d = t
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_err(|_| Status::InternalFailure)?;
+        Ok(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn log(&self, level: LogLevel, msg: &str) -> HostResult<()> {
+        hostcalls::log(level, msg)
+    }
+
+    fn define_metric(&self, kind: MetricType, name: &str) -> HostResult<u32> {
+        hostcalls::define_metric(kind, name)
+    }
+
+    fn increment_metric(&self, id: u32, n: i64) -> HostResult<()> {
+        hostcalls::increment_metric(id, n)
+    }
+
+    fn record_metric(&self, id: u32, v: u64) -> HostResult<()> {
+        hostcalls::record_metric(id, v)
+    }
+
+    fn set_tick_period(&self, period: Duration) -> HostResult<()> {
+        hostcalls::set_tick_period(period)
+    }
+}
+
+/// The host as the adapter uses it: failures are counted, then read as "absent".
+pub struct Calls {
+    host: Box<dyn Host>,
+    /// The `kvroute.host_errors.total` counter, once defined.
+    errors: Cell<Option<u32>>,
+}
+
+impl Calls {
+    pub fn new(host: Box<dyn Host>) -> Calls {
+        Calls {
+            host,
+            errors: Cell::new(None),
+        }
+    }
+
+    pub fn set_error_metric(&self, id: Option<u32>) {
+        self.errors.set(id);
+    }
+
+    fn ok<T>(&self, r: HostResult<T>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(_) => {
+                self.count_error();
+                None
+            }
+        }
+    }
+
+    fn count_error(&self) {
+        if let Some(id) = self.errors.get() {
+            // If counting fails too, the host has nowhere left to report to.
+            if self.host.increment_metric(id, 1).is_err() {
+                self.errors.set(None);
+            }
+        }
+    }
+
+    pub fn header(&self, map: MapType, name: &str) -> Option<String> {
+        self.ok(self.host.header(map, name)).flatten()
+    }
+
+    pub fn set_header(&self, map: MapType, name: &str, value: Option<&str>) {
+        self.ok(self.host.set_header(map, name, value));
+    }
+
+    pub fn buffer(&self, kind: BufferType, max: usize) -> Option<Vec<u8>> {
+        self.ok(self.host.buffer(kind, 0, max)).flatten()
+    }
+
+    pub fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.ok(self.host.property(path)).flatten()
+    }
+
+    pub fn property_string(&self, path: &[&str]) -> Option<String> {
+        self.property(path).and_then(|b| String::from_utf8(b).ok())
+    }
+
+    pub fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.ok(self.host.send_response(status, headers, body));
+    }
+
+    /// 0 when the host has no clock to give (then every duration reads as 0).
+    pub fn now_ns(&self) -> u64 {
+        self.ok(self.host.now_ns()).unwrap_or(0)
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.now_ns() / 1_000_000
+    }
+
+    pub fn log(&self, level: LogLevel, msg: &str) {
+        self.ok(self.host.log(level, msg));
+    }
+
+    pub fn define_metric(&self, kind: MetricType, name: &str) -> Option<u32> {
+        self.ok(self.host.define_metric(kind, name))
+    }
+
+    pub fn increment_metric(&self, id: u32, n: u64) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.ok(self.host.increment_metric(id, n));
+    }
+
+    pub fn record_metric(&self, id: u32, v: u64) {
+        self.ok(self.host.record_metric(id, v));
+    }
+
+    pub fn set_tick_period(&self, period: Duration) {
+        self.ok(self.host.set_tick_period(period));
+    }
+}

@@ -1,0 +1,258 @@
+//! The VM's state, shared by the root context and every HTTP context of one Envoy worker
+//! thread: the router replica, stats, replication and the work deferred out of requests.
+
+use super::host::Calls;
+use super::metrics::Metrics;
+use crate::config::{Config, Role};
+use crate::events::{self, Event};
+use crate::replication::{Replicator, SharedBus, Timing};
+use crate::router::Router;
+use crate::steer::Intercept;
+use proxy_wasm::types::LogLevel;
+use std::rc::Rc;
+
+/// Replication messages handled per queue wake-up before yielding back to Envoy.
+const DRAIN_MAX: usize = 4096;
+
+pub struct State {
+    pub host: Rc<Calls>,
+    pub router: Router,
+    pub metrics: Metrics,
+    /// Routes and client headers of interest, fixed by the configuration.
+    pub intercept: Intercept,
+    bus: Box<dyn SharedBus>,
+    repl: Option<Replicator>,
+    /// This VM has routed a request; until then replicated events wait in `backlog`.
+    serving: bool,
+    backlog: Backlog,
+    /// Events for the other VMs, sent by `run_deferred`.
+    outbox: Vec<Event>,
+    wake_pending: bool,
+}
+
+/// Raw replication messages kept by a VM that does not route (yet), oldest dropped first.
+#[derive(Default)]
+struct Backlog {
+    msgs: std::collections::VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+/// Enough for the recent history a late-starting worker thread needs.
+const BACKLOG_BYTES: usize = 8 << 20;
+
+impl Backlog {
+    fn push(&mut self, msg: Vec<u8>) {
+        self.bytes += msg.len();
+        self.msgs.push_back(msg);
+        while self.bytes > BACKLOG_BYTES {
+            match self.msgs.pop_front() {
+                Some(old) => self.bytes -= old.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn take_all(&mut self) -> Vec<Vec<u8>> {
+        self.bytes = 0;
+        self.msgs.drain(..).collect()
+    }
+}
+
+impl State {
+    /// Sets up one VM for a validated configuration: joins replication under `ns` (the
+    /// plugin name), seeds the router and defines the stats.
+    pub fn configure(host: Rc<Calls>, cfg: Config, bus: Box<dyn SharedBus>, ns: &str) -> State {
+        let now = host.now_ms();
+        let repl = Replicator::join(bus.as_ref(), ns, now, Timing::default());
+        if repl.is_none() {
+            host.log(
+                LogLevel::Warn,
+                "kvroute: could not join replication; this thread routes on its own state",
+            );
+        }
+        let origin = repl
+            .as_ref()
+            .map(|r| u64::from(r.id()))
+            .unwrap_or(now & 0xFFFF);
+        let seed = if cfg.seed != 0 {
+            cfg.seed ^ origin
+        } else {
+            host.now_ns() ^ (origin << 32)
+        };
+        let names: Vec<&str> = cfg.workers.iter().map(|w| w.name.as_str()).collect();
+        let metrics = Metrics::define(&host, &names);
+        let prefill = cfg
+            .workers
+            .iter()
+            .filter(|w| w.role == Role::Prefill)
+            .count();
+        host.log(
+            LogLevel::Info,
+            &format!(
+                "kvroute: configured {} workers ({} decode, {prefill} prefill), block_size {}, steering header {}, replica {}",
+                cfg.workers.len(),
+                cfg.workers.len() - prefill,
+                cfg.block_size,
+                cfg.steering.header_name(),
+                repl.as_ref().map(|r| r.id()).unwrap_or(0),
+            ),
+        );
+        let intercept = Intercept::from_config(&cfg);
+        State {
+            host,
+            router: Router::new(cfg, origin, seed),
+            metrics,
+            intercept,
+            bus,
+            repl,
+            serving: false,
+            backlog: Backlog::default(),
+            outbox: Vec::new(),
+            wake_pending: false,
+        }
+    }
+
+    /// Queues events this VM already applied for the other VMs. They leave in one message
+    /// from `on_queue_ready`, after the callback that produced them returned, so request
+    /// callbacks only push onto a vector.
+    pub fn broadcast(&mut self, evs: &[Event]) {
+        if evs.is_empty() {
+            return;
+        }
+        self.outbox.extend_from_slice(evs);
+        self.schedule();
+    }
+
+    /// Runs the index inserts of this VM's own decisions outside the request path.
+    pub fn defer_flush(&mut self) {
+        self.schedule();
+    }
+
+    /// Makes sure deferred work runs soon: a self-addressed wake-up, which Envoy delivers as
+    /// `on_queue_ready` once the current callback is done. Without a queue, work runs now.
+    fn schedule(&mut self) {
+        if self.wake_pending {
+            return;
+        }
+        if self
+            .repl
+            .as_ref()
+            .is_some_and(|r| r.wake_self(self.bus.as_ref()))
+        {
+            self.wake_pending = true;
+        } else {
+            self.run_deferred();
+        }
+    }
+
+    fn run_deferred(&mut self) {
+        self.wake_pending = false;
+        self.router.flush();
+        if self.outbox.is_empty() {
+            return;
+        }
+        let evs = core::mem::take(&mut self.outbox);
+        if let Some(r) = &mut self.repl {
+            let msg = events::encode(self.host.now_ns(), &evs);
+            let n = r.broadcast(self.bus.as_ref(), self.host.now_ms(), &msg);
+            self.metrics.repl_sent.add((n * evs.len()) as u64);
+        }
+    }
+
+    pub fn drain(&mut self) {
+        self.run_deferred();
+        let Some(r) = &self.repl else { return };
+        for msg in r.drain(self.bus.as_ref(), DRAIN_MAX) {
+            if msg.is_empty() {
+                continue; // a wake-up, see defer_flush
+            }
+            if self.serving {
+                self.apply_message(&msg);
+            } else {
+                self.backlog.push(msg);
+            }
+        }
+    }
+
+    /// Called before this VM routes for the first time. Envoy's main-thread VM (and any
+    /// worker thread that has not seen traffic yet) only keeps a bounded backlog of raw
+    /// messages instead of applying every event: on two cores, replaying each decision on
+    /// the main thread measurably slowed the worker threads. The backlog is applied here.
+    pub fn start_serving(&mut self) {
+        if self.serving {
+            return;
+        }
+        self.serving = true;
+        for msg in self.backlog.take_all() {
+            self.apply_message(&msg);
+        }
+    }
+
+    fn apply_message(&mut self, msg: &[u8]) {
+        let now = self.host.now_ms();
+        {
+            match events::decode(msg) {
+                Ok((sent_ns, evs)) => {
+                    self.metrics.repl_received.add(evs.len() as u64);
+                    self.metrics
+                        .repl_delay_us
+                        .record(self.host.now_ns().saturating_sub(sent_ns) / 1000);
+                    for e in &evs {
+                        self.router.apply(e, now);
+                    }
+                }
+                Err(e) => {
+                    self.metrics.repl_errors.inc();
+                    self.host.log(
+                        LogLevel::Warn,
+                        &format!("kvroute: dropped replication message: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    pub fn tick(&mut self) {
+        let now = self.host.now_ms();
+        if let Some(r) = &mut self.repl {
+            r.heartbeat(self.bus.as_ref(), now);
+            self.metrics.repl_peers.record(r.peers() as u64);
+        }
+        self.drain();
+        let (lost, _) = self.router.tick(now);
+        self.metrics.expired_requests.add(lost as u64);
+        // Gauges are process-wide and every VM writes them: only VMs that route hold the
+        // replicated state (the others keep a raw backlog) and may publish it.
+        if self.serving {
+            self.publish_gauges(now);
+        }
+    }
+
+    fn publish_gauges(&self, now: u64) {
+        let r = &self.router;
+        self.metrics.index_blocks.record(r.index().blocks() as u64);
+        self.metrics
+            .index_bytes
+            .record(r.index().memory_bytes() as u64);
+        self.metrics
+            .active_requests
+            .record(r.load().active_requests() as u64);
+        self.metrics
+            .chars_per_token_milli
+            .record((r.chars_per_token() * 1000.0) as u64);
+        for (i, wm) in self.metrics.workers.iter().enumerate() {
+            let Ok(w) = u16::try_from(i) else { break };
+            let v = r.worker_view(w, now);
+            wm.inflight.record(u64::from(v.inflight));
+            wm.prefill_tokens.record(v.prefill_tokens as u64);
+            wm.active_blocks.record(v.active_blocks);
+            wm.healthy.record(u64::from(v.healthy));
+            wm.index_blocks.record(r.index().entries(w) as u64);
+            if let Some(rep) = v.report {
+                wm.kv_usage_pct
+                    .record((f64::from(rep.kv_usage) * 100.0) as u64);
+                wm.waiting.record(u64::from(rep.waiting));
+            }
+        }
+    }
+}

@@ -1,0 +1,674 @@
+//! The adapter driven natively: contexts over a fake host that keeps headers, bodies,
+//! properties, stats and local responses in memory.
+
+use super::host::{Calls, Host, HostResult};
+use super::http::Http;
+use super::root::Root;
+use super::state::State;
+use crate::config::Config;
+use crate::replication::memory::MemoryBus;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, LogLevel, MapType, MetricType, Status};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// A local response: status, headers, body.
+type Sent = (u32, Vec<(String, String)>, Vec<u8>);
+
+#[derive(Default)]
+struct Fake {
+    request: Vec<(String, String)>,
+    response: Vec<(String, String)>,
+    request_body: Vec<u8>,
+    /// The response chunk the current body callback sees.
+    response_chunk: Vec<u8>,
+    plugin_config: Vec<u8>,
+    properties: HashMap<String, String>,
+    sent: Vec<Sent>,
+    now_ns: u64,
+    logs: Vec<(LogLevel, String)>,
+    /// name, kind, counter sum, last recorded value
+    metrics: Vec<(String, MetricType, i64, Option<u64>)>,
+    /// Calls that answer with an error.
+    failing: Vec<&'static str>,
+}
+
+#[derive(Clone, Default)]
+struct FakeHost(Rc<RefCell<Fake>>);
+
+impl FakeHost {
+    fn fails(&self, call: &'static str) -> HostResult<()> {
+        if self.0.borrow().failing.contains(&call) {
+            Err(Status::InternalFailure)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn map(f: &mut Fake, m: MapType) -> &mut Vec<(String, String)> {
+    match m {
+        MapType::HttpResponseHeaders => &mut f.response,
+        _ => &mut f.request,
+    }
+}
+
+impl Host for FakeHost {
+    fn header(&self, m: MapType, name: &str) -> HostResult<Option<String>> {
+        self.fails("header")?;
+        let mut f = self.0.borrow_mut();
+        Ok(map(&mut f, m)
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone()))
+    }
+
+    fn set_header(&self, m: MapType, name: &str, value: Option<&str>) -> HostResult<()> {
+        self.fails("set_header")?;
+        let mut f = self.0.borrow_mut();
+        let h = map(&mut f, m);
+        h.retain(|(k, _)| k != name);
+        if let Some(v) = value {
+            h.push((name.to_string(), v.to_string()));
+        }
+        Ok(())
+    }
+
+    fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>> {
+        self.fails("buffer")?;
+        let f = self.0.borrow();
+        let b = match kind {
+            BufferType::HttpRequestBody => &f.request_body,
+            BufferType::HttpResponseBody => &f.response_chunk,
+            BufferType::PluginConfiguration => &f.plugin_config,
+            _ => return Ok(None),
+        };
+        let end = b.len().min(start.saturating_add(max));
+        Ok(b.get(start..end).map(<[u8]>::to_vec))
+    }
+
+    fn property(&self, path: &[&str]) -> HostResult<Option<Vec<u8>>> {
+        self.fails("property")?;
+        let f = self.0.borrow();
+        Ok(f.properties
+            .get(&path.join("."))
+            .map(|v| v.as_bytes().to_vec()))
+    }
+
+    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> HostResult<()> {
+        self.fails("send_response")?;
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.0
+            .borrow_mut()
+            .sent
+            .push((status, headers, body.to_vec()));
+        Ok(())
+    }
+
+    fn now_ns(&self) -> HostResult<u64> {
+        self.fails("now")?;
+        Ok(self.0.borrow().now_ns)
+    }
+
+    fn log(&self, level: LogLevel, msg: &str) -> HostResult<()> {
+        self.0.borrow_mut().logs.push((level, msg.to_string()));
+        Ok(())
+    }
+
+    fn define_metric(&self, kind: MetricType, name: &str) -> HostResult<u32> {
+        let mut f = self.0.borrow_mut();
+        f.metrics.push((name.to_string(), kind, 0, None));
+        Ok(u32::try_from(f.metrics.len() - 1).unwrap())
+    }
+
+    fn increment_metric(&self, id: u32, n: i64) -> HostResult<()> {
+        self.0.borrow_mut().metrics[id as usize].2 += n;
+        Ok(())
+    }
+
+    fn record_metric(&self, id: u32, v: u64) -> HostResult<()> {
+        self.0.borrow_mut().metrics[id as usize].3 = Some(v);
+        Ok(())
+    }
+
+    fn set_tick_period(&self, _period: Duration) -> HostResult<()> {
+        Ok(())
+    }
+}
+
+/// One configured VM over a fake host.
+struct Vm {
+    fake: FakeHost,
+    host: Rc<Calls>,
+    state: Rc<RefCell<State>>,
+}
+
+const WORKERS: &str = r#""workers":[
+    {"name":"d0","endpoint":"10.0.0.1:8000","cluster":"pool-d0"},
+    {"name":"d1","endpoint":"10.0.0.2:8000","cluster":"pool-d1"},
+    {"name":"p0","endpoint":"10.0.1.1:8000","role":"prefill"}
+]"#;
+
+impl Vm {
+    /// `extra` is appended to the worker list of the plugin configuration.
+    fn new(extra: &str) -> Vm {
+        let json = format!(r#"{{{WORKERS},"seed":7{extra}}}"#);
+        let cfg = Config::from_json(json.as_bytes()).unwrap();
+        let fake = FakeHost::default();
+        fake.0.borrow_mut().now_ns = 1_000_000_000;
+        let host = Rc::new(Calls::new(Box::new(fake.clone())));
+        let state = State::configure(
+            Rc::clone(&host),
+            cfg,
+            Box::new(MemoryBus::default()),
+            "kvroute",
+        );
+        Vm {
+            fake,
+            host,
+            state: Rc::new(RefCell::new(state)),
+        }
+    }
+
+    fn http(&self) -> Http {
+        Http::new(Rc::clone(&self.host), Some(Rc::clone(&self.state)))
+    }
+
+    fn f(&self) -> std::cell::RefMut<'_, Fake> {
+        self.fake.0.borrow_mut()
+    }
+
+    fn request(&self, method: &str, path: &str, extra: &[(&str, &str)]) {
+        let mut f = self.f();
+        f.request = vec![
+            (":method".into(), method.into()),
+            (":path".into(), path.into()),
+        ];
+        f.request
+            .extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        f.response.clear();
+    }
+
+    fn req_header(&self, name: &str) -> Option<String> {
+        self.fake.header(MapType::HttpRequestHeaders, name).unwrap()
+    }
+
+    fn resp_header(&self, name: &str) -> Option<String> {
+        self.fake
+            .header(MapType::HttpResponseHeaders, name)
+            .unwrap()
+    }
+
+    fn counter(&self, name: &str) -> i64 {
+        let f = self.fake.0.borrow();
+        let m = f.metrics.iter().find(|m| m.0 == name);
+        m.unwrap_or_else(|| panic!("no stat {name}")).2
+    }
+
+    fn recorded(&self, name: &str) -> Option<u64> {
+        let f = self.fake.0.borrow();
+        f.metrics.iter().find(|m| m.0 == name).and_then(|m| m.3)
+    }
+
+    /// Runs a completion POST through the request callbacks up to the routing decision.
+    fn post(&self, prompt: &str) -> (Http, Action) {
+        let body =
+            serde_json::to_vec(&serde_json::json!({"model":"m","prompt":prompt,"max_tokens":4}))
+                .unwrap();
+        self.request("POST", "/v1/completions", &[]);
+        self.f().request_body = body.clone();
+        let mut h = self.http();
+        assert_eq!(h.on_http_request_headers(3, false), Action::Pause);
+        let a = h.on_http_request_body(body.len(), true);
+        (h, a)
+    }
+
+    /// Answers the request with `status` and response headers, then ends the stream.
+    fn answer(&self, h: &mut Http, status: &str, headers: &[(&str, &str)]) {
+        {
+            let mut f = self.f();
+            f.response = vec![(":status".into(), status.into())];
+            f.response
+                .extend(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        }
+        assert_eq!(h.on_http_response_headers(2, false), Action::Continue);
+    }
+
+    fn body_chunk(&self, h: &mut Http, chunk: &[u8], end: bool) {
+        self.f().response_chunk = chunk.to_vec();
+        assert_eq!(h.on_http_response_body(chunk.len(), end), Action::Continue);
+    }
+
+    fn done(&self, h: &mut Http) {
+        h.on_log();
+        assert!(h.on_done());
+    }
+
+    fn failures(&self, worker: &str) -> i64 {
+        self.counter(&format!("kvroute.worker.{worker}.failures_total"))
+    }
+
+    fn inflight(&self) -> usize {
+        self.state.borrow().router.load().active_requests()
+    }
+}
+
+const NO_DISAGG: &str = r#","disaggregation":{"threshold_tokens":0}"#;
+
+#[test]
+fn inference_post_pauses_until_the_body_is_complete() {
+    let vm = Vm::new(NO_DISAGG);
+    vm.request("POST", "/v1/completions?x=1", &[]);
+    let body = br#"{"model":"m","prompt":"hello there"}"#;
+    vm.f().request_body = body.to_vec();
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, false), Action::Pause);
+    assert_eq!(h.on_http_request_body(10, false), Action::Pause);
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+    assert_eq!(h.on_http_request_body(body.len(), true), Action::Continue);
+    let cluster = vm.req_header("x-kvroute-cluster").unwrap();
+    assert!(cluster == "pool-d0" || cluster == "pool-d1", "{cluster}");
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 1);
+    assert_eq!(vm.inflight(), 1);
+    // Later body callbacks (none expected) and a second finish change nothing.
+    assert_eq!(h.on_http_request_body(0, true), Action::Continue);
+    vm.done(&mut h);
+    vm.done(&mut h);
+    assert_eq!(vm.inflight(), 0);
+}
+
+#[test]
+fn other_traffic_passes_through_untouched() {
+    let vm = Vm::new(NO_DISAGG);
+    for (method, path) in [
+        ("GET", "/v1/completions"),
+        ("POST", "/v1/models"),
+        ("POST", "/v1/completions/extra"),
+    ] {
+        vm.request(method, path, &[]);
+        let mut h = vm.http();
+        assert_eq!(h.on_http_request_headers(3, false), Action::Continue);
+        assert_eq!(h.on_http_request_body(5, false), Action::Continue);
+        assert_eq!(h.on_http_request_trailers(0), Action::Continue);
+        assert_eq!(vm.req_header("x-kvroute-cluster"), None, "{method} {path}");
+        vm.done(&mut h);
+    }
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 0);
+    assert_eq!(vm.counter("kvroute.requests.fallback.total"), 0);
+}
+
+#[test]
+fn unconfigured_context_passes_through() {
+    let fake = FakeHost::default();
+    let host = Rc::new(Calls::new(Box::new(fake.clone())));
+    fake.0.borrow_mut().request = vec![
+        (":method".into(), "POST".into()),
+        (":path".into(), "/v1/completions".into()),
+    ];
+    let mut h = Http::new(host, None);
+    assert_eq!(h.on_http_request_headers(2, false), Action::Continue);
+    assert_eq!(h.on_http_request_body(5, true), Action::Continue);
+}
+
+#[test]
+fn headers_only_post_routes_at_once_as_a_parse_fallback() {
+    let vm = Vm::new(NO_DISAGG);
+    vm.request("POST", "/v1/chat/completions", &[]);
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, true), Action::Continue);
+    assert!(vm.req_header("x-kvroute-cluster").is_some());
+    assert_eq!(vm.counter("kvroute.fallbacks.parse_error.total"), 1);
+    assert_eq!(vm.counter("kvroute.requests.fallback.total"), 1);
+}
+
+#[test]
+fn trailers_route_on_the_buffered_body() {
+    let vm = Vm::new(NO_DISAGG);
+    vm.request("POST", "/v1/completions", &[]);
+    vm.f().request_body = br#"{"model":"m","prompt":"with trailers"}"#.to_vec();
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, false), Action::Pause);
+    assert_eq!(h.on_http_request_body(10, false), Action::Pause);
+    assert_eq!(h.on_http_request_trailers(1), Action::Continue);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 1);
+}
+
+#[test]
+fn client_sent_steering_and_handoff_headers_are_removed() {
+    let vm = Vm::new(NO_DISAGG);
+    let forged = [
+        ("x-kvroute-cluster", "pool-evil"),
+        ("x-kvroute-decode-endpoint", "6.6.6.6:1"),
+        ("x-prefiller-host-port", "6.6.6.6:2"),
+        ("x-other", "kept"),
+    ];
+    // Also on traffic that is not routed.
+    vm.request("GET", "/health", &forged);
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(5, true), Action::Continue);
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+    assert_eq!(vm.req_header("x-kvroute-decode-endpoint"), None);
+    assert_eq!(vm.req_header("x-prefiller-host-port"), None);
+    assert_eq!(vm.req_header("x-other").as_deref(), Some("kept"));
+
+    vm.request("POST", "/v1/completions", &forged);
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(5, true), Action::Continue);
+    assert_ne!(
+        vm.req_header("x-kvroute-cluster").as_deref(),
+        Some("pool-evil")
+    );
+    assert_eq!(vm.req_header("x-kvroute-decode-endpoint"), None);
+}
+
+#[test]
+fn cluster_steering_names_the_cluster_and_asks_for_orca() {
+    let vm = Vm::new(NO_DISAGG);
+    let (_h, a) = vm.post("cluster mode prompt");
+    assert_eq!(a, Action::Continue);
+    let d = chosen(&vm);
+    let want = ["pool-d0", "pool-d1"][usize::from(d)];
+    assert_eq!(vm.req_header("x-kvroute-cluster").as_deref(), Some(want));
+    assert_eq!(
+        vm.req_header("endpoint-load-metrics-format").as_deref(),
+        Some("TEXT")
+    );
+    assert_eq!(vm.req_header("x-gateway-destination-endpoint"), None);
+}
+
+/// The worker a request went to, read back from its per-worker decision counter.
+fn chosen(vm: &Vm) -> u16 {
+    if vm.counter("kvroute.worker.d0.decisions_total") > 0 {
+        0
+    } else {
+        assert_eq!(vm.counter("kvroute.worker.d1.decisions_total"), 1);
+        1
+    }
+}
+
+#[test]
+fn endpoint_steering_lists_the_target_then_alternates() {
+    let vm = Vm::new(r#","steering":{"mode":"endpoint"},"disaggregation":{"threshold_tokens":0}"#);
+    let (_h, _) = vm.post("endpoint mode prompt");
+    let d = chosen(&vm);
+    let (first, second) = if d == 0 {
+        ("10.0.0.1:8000", "10.0.0.2:8000")
+    } else {
+        ("10.0.0.2:8000", "10.0.0.1:8000")
+    };
+    assert_eq!(
+        vm.req_header("x-gateway-destination-endpoint"),
+        Some(format!("{first},{second}"))
+    );
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+}
+
+/// A prompt long enough to exceed a 100-token disaggregation threshold.
+fn long_prompt() -> String {
+    "the quick brown fox jumps over the lazy dog ".repeat(200)
+}
+
+#[test]
+fn kvroute_disaggregation_steers_to_prefill_and_names_decode() {
+    let vm = Vm::new(r#","disaggregation":{"threshold_tokens":100}"#);
+    let (_h, _) = vm.post(&long_prompt());
+    let d = chosen(&vm);
+    assert_eq!(
+        vm.req_header("x-kvroute-cluster").as_deref(),
+        Some("p0"),
+        "steered to the prefill worker"
+    );
+    let decode_ep = ["10.0.0.1:8000", "10.0.0.2:8000"][usize::from(d)];
+    assert_eq!(
+        vm.req_header("x-kvroute-decode-endpoint").as_deref(),
+        Some(decode_ep)
+    );
+    assert_eq!(vm.req_header("x-prefiller-host-port"), None);
+    assert_eq!(vm.counter("kvroute.disagg_decisions.prefill.total"), 1);
+}
+
+#[test]
+fn llm_d_disaggregation_steers_to_decode_and_names_prefiller() {
+    let vm = Vm::new(r#","disaggregation":{"threshold_tokens":100,"mode":"llm-d"}"#);
+    let (_h, _) = vm.post(&long_prompt());
+    let d = chosen(&vm);
+    assert_eq!(
+        vm.req_header("x-kvroute-cluster").as_deref(),
+        Some(["pool-d0", "pool-d1"][usize::from(d)])
+    );
+    assert_eq!(
+        vm.req_header("x-prefiller-host-port").as_deref(),
+        Some("10.0.1.1:8000")
+    );
+    assert_eq!(vm.req_header("x-kvroute-decode-endpoint"), None);
+}
+
+/// Routes one request, answers it as given and returns the failures counted on its worker.
+fn failures_after(status: &str, headers: &[(&str, &str)], upstream: Option<&str>) -> i64 {
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("classify me");
+    let d = chosen(&vm);
+    let ep = ["10.0.0.1:8000", "10.0.0.2:8000"][usize::from(d)];
+    if let Some(up) = upstream {
+        let up = if up == "same" { ep } else { up };
+        vm.f()
+            .properties
+            .insert("upstream.address".into(), up.into());
+    }
+    vm.answer(&mut h, status, headers);
+    vm.done(&mut h);
+    assert_eq!(vm.inflight(), 0);
+    vm.failures(["d0", "d1"][usize::from(d)])
+}
+
+#[test]
+fn server_error_is_a_worker_failure() {
+    assert_eq!(failures_after("503", &[], Some("same")), 1);
+    assert_eq!(failures_after("500", &[], None), 1);
+    assert_eq!(failures_after("200", &[], Some("same")), 0);
+    assert_eq!(failures_after("404", &[], None), 0);
+}
+
+#[test]
+fn too_many_requests_is_a_worker_failure() {
+    assert_eq!(failures_after("429", &[], Some("same")), 1);
+}
+
+#[test]
+fn a_retried_answer_is_a_failure_of_the_chosen_worker() {
+    assert_eq!(
+        failures_after("200", &[("x-envoy-attempt-count", "2")], Some("same")),
+        1
+    );
+    assert_eq!(
+        failures_after("200", &[("x-envoy-attempt-count", "1")], Some("same")),
+        0
+    );
+}
+
+#[test]
+fn an_answer_from_another_upstream_is_a_failure() {
+    assert_eq!(failures_after("200", &[], Some("10.9.9.9:8000")), 1);
+}
+
+#[test]
+fn client_gone_before_any_answer_is_not_a_worker_failure() {
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("leaving early");
+    let d = chosen(&vm);
+    let name = ["d0", "d1"][usize::from(d)];
+    vm.f().properties.insert(
+        "response.code_details".into(),
+        "downstream_remote_disconnect".into(),
+    );
+    vm.done(&mut h);
+    assert_eq!(vm.failures(name), 0);
+    assert_eq!(vm.inflight(), 0);
+
+    // No answer because the upstream reset: the worker failed.
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("leaving early");
+    let d = chosen(&vm);
+    vm.f().properties.insert(
+        "response.code_details".into(),
+        "upstream_reset_before_response_started{connection_failure}".into(),
+    );
+    vm.done(&mut h);
+    assert_eq!(vm.failures(["d0", "d1"][usize::from(d)]), 1);
+}
+
+#[test]
+fn last_sse_chunk_feeds_usage() {
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("stream me please");
+    vm.answer(&mut h, "200", &[]);
+    vm.body_chunk(
+        &mut h,
+        b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n",
+        false,
+    );
+    assert_eq!(vm.counter("kvroute.feedback.usage.total"), 0);
+    vm.body_chunk(
+        &mut h,
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
+        false,
+    );
+    vm.body_chunk(&mut h, b"data: [DONE]\n\n", true);
+    assert_eq!(vm.counter("kvroute.feedback.usage.total"), 1);
+    assert_eq!(vm.recorded("kvroute.actual_hit_pct"), Some(50));
+    vm.done(&mut h);
+}
+
+#[test]
+fn json_body_feeds_usage_at_end_of_stream() {
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("json body");
+    vm.answer(
+        &mut h,
+        "200",
+        &[(
+            "endpoint-load-metrics",
+            "TEXT named_metrics.kv_cache_usage_perc=0.25",
+        )],
+    );
+    assert_eq!(vm.counter("kvroute.feedback.orca.total"), 1);
+    vm.body_chunk(
+        &mut h,
+        br#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":10,"completion_tokens":2}}"#,
+        true,
+    );
+    assert_eq!(vm.counter("kvroute.feedback.usage.total"), 1);
+    // No cached_tokens reported: no actual hit to record.
+    assert_eq!(vm.recorded("kvroute.actual_hit_pct"), None);
+    // An empty end-of-stream callback after a body without usage feeds nothing.
+    let (mut h, _) = vm.post("json body 2");
+    vm.answer(&mut h, "200", &[]);
+    vm.body_chunk(&mut h, br#"{"choices":[]}"#, true);
+    assert_eq!(vm.counter("kvroute.feedback.usage.total"), 1);
+}
+
+#[test]
+fn every_worker_busy_sheds_with_429_when_configured() {
+    let vm = Vm::new(
+        r#","disaggregation":{"threshold_tokens":0},"busy":{"inflight_requests":1,"reject_when_all_busy":true}"#,
+    );
+    let (_a, first) = vm.post("one");
+    let (_b, second) = vm.post("two");
+    assert_eq!((first, second), (Action::Continue, Action::Continue));
+    assert!(vm.f().sent.is_empty());
+    let (_c, third) = vm.post("three");
+    assert_eq!(third, Action::Pause);
+    let f = vm.fake.0.borrow();
+    assert_eq!(f.sent.len(), 1);
+    let (status, headers, body) = &f.sent[0];
+    assert_eq!(*status, 429);
+    assert!(headers.contains(&("retry-after".to_string(), "1".to_string())));
+    assert!(String::from_utf8_lossy(body).contains("overloaded"));
+    drop(f);
+    assert_eq!(vm.counter("kvroute.requests.rejected.total"), 1);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 2);
+}
+
+#[test]
+fn busy_workers_are_still_used_when_shedding_is_off() {
+    let vm = Vm::new(r#","disaggregation":{"threshold_tokens":0},"busy":{"inflight_requests":1}"#);
+    for p in ["one", "two", "three"] {
+        assert_eq!(vm.post(p).1, Action::Continue);
+    }
+    assert!(vm.f().sent.is_empty());
+    assert_eq!(vm.counter("kvroute.requests.rejected.total"), 0);
+}
+
+#[test]
+fn failed_host_calls_are_counted() {
+    let vm = Vm::new(NO_DISAGG);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 0);
+    vm.f().failing.push("set_header");
+    let (_h, a) = vm.post("errors");
+    assert_eq!(a, Action::Continue);
+    // Three strips and two request headers (steering, ORCA) failed.
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 5);
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+    vm.f().failing.clear();
+    let (mut h, _) = vm.post("errors");
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 5);
+    vm.f().failing = vec!["property", "header"];
+    vm.answer(&mut h, "200", &[]);
+    // :status, the ORCA header, the attempt count and the upstream address.
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 9);
+    // An unreadable :method passes the request through.
+    vm.request("POST", "/v1/completions", &[]);
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(2, false), Action::Continue);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 11);
+}
+
+#[test]
+fn debug_headers_show_the_decision_on_the_response() {
+    let vm = Vm::new(r#","debug_headers":true,"disaggregation":{"threshold_tokens":0}"#);
+    let (mut h, _) = vm.post("debug me");
+    let d = chosen(&vm);
+    vm.answer(&mut h, "200", &[]);
+    assert_eq!(
+        vm.resp_header("x-kvroute-worker").as_deref(),
+        Some(["d0", "d1"][usize::from(d)])
+    );
+    assert!(vm.resp_header("x-kvroute-prompt-tokens").is_some());
+    assert_eq!(vm.resp_header("x-kvroute-fallback"), None);
+
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("no debug");
+    vm.answer(&mut h, "200", &[]);
+    assert_eq!(vm.resp_header("x-kvroute-worker"), None);
+}
+
+#[test]
+fn root_configures_from_the_plugin_configuration() {
+    let fake = FakeHost::default();
+    let host = Rc::new(Calls::new(Box::new(fake.clone())));
+    let mut root = Root::new(host, |_| Box::new(MemoryBus::default()));
+    fake.0.borrow_mut().plugin_config = br#"{"workers":[]}"#.to_vec();
+    assert!(!root.on_configure(0), "an invalid configuration is refused");
+    assert!(fake
+        .0
+        .borrow()
+        .logs
+        .iter()
+        .any(|(l, _)| *l == LogLevel::Error));
+    fake.0.borrow_mut().plugin_config = br#"{"workers":[{"name":"w"}]}"#.to_vec();
+    assert!(root.on_configure(0));
+    let f = fake.0.borrow();
+    assert!(f
+        .metrics
+        .iter()
+        .any(|m| m.0 == "kvroute.worker.w.decisions_total"));
+    assert!(f
+        .logs
+        .iter()
+        .any(|(_, m)| m.contains("configured 1 workers")));
+}

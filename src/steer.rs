@@ -1,0 +1,268 @@
+//! The HTTP surface of a routing decision, as data: which requests the filter intercepts,
+//! which client headers it removes, the headers that carry a decision to Envoy and to the
+//! workers, and the debug headers on the response. The adapter only applies these lists.
+
+use crate::config::{Config, DisaggMode, SteeringMode};
+use crate::request::ApiKind;
+use crate::router::{Decision, Router};
+use std::borrow::Cow;
+
+/// Asks the worker to attach its load (ORCA) to the response.
+pub const ORCA_REQUEST: &str = "endpoint-load-metrics-format";
+/// The worker's load report on the response.
+pub const ORCA_RESPONSE: &str = "endpoint-load-metrics";
+
+/// What the filter looks at on a request's headers, fixed at configure time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Intercept {
+    routes: Vec<(String, ApiKind)>,
+    strip: Vec<String>,
+}
+
+impl Intercept {
+    pub fn from_config(cfg: &Config) -> Intercept {
+        let routes = cfg
+            .routes
+            .iter()
+            .map(|r| {
+                let kind = if r.ends_with("/chat/completions") {
+                    ApiKind::ChatCompletions
+                } else {
+                    ApiKind::Completions
+                };
+                (r.clone(), kind)
+            })
+            .collect();
+        Intercept {
+            routes,
+            strip: vec![
+                cfg.steering.header_name().to_string(),
+                cfg.disaggregation.decode_header.clone(),
+                cfg.disaggregation.prefiller_header.clone(),
+            ],
+        }
+    }
+
+    /// Headers a client must never send: they would choose the worker itself.
+    pub fn strip(&self) -> &[String] {
+        &self.strip
+    }
+
+    /// The API of an inference request (a POST to a configured route; the query string is
+    /// ignored), or `None` for traffic that passes through untouched.
+    pub fn api_kind(&self, method: Option<&str>, path: &str) -> Option<ApiKind> {
+        if method != Some("POST") {
+            return None;
+        }
+        let path = path.split('?').next().unwrap_or("");
+        self.routes
+            .iter()
+            .find(|(r, _)| r == path)
+            .map(|(_, kind)| *kind)
+    }
+}
+
+/// Request headers that carry the decision: the steering header (a cluster name, or the
+/// target endpoint followed by its alternates), the disaggregation hand-off header, and the
+/// ORCA request.
+pub fn request_headers<'a>(r: &'a Router, d: &Decision) -> Vec<(&'a str, Cow<'a, str>)> {
+    let cfg = r.config();
+    let mut out = Vec::with_capacity(3);
+    let header = cfg.steering.header_name();
+    match cfg.steering.mode {
+        SteeringMode::Cluster => out.push((header, Cow::Borrowed(r.worker_cluster(d.target)))),
+        SteeringMode::Endpoint => {
+            let list: Vec<&str> = std::iter::once(d.target)
+                .chain(d.alternates.iter().copied())
+                .filter_map(|w| r.worker_endpoint(w))
+                .collect();
+            if !list.is_empty() {
+                out.push((header, Cow::Owned(list.join(","))));
+            }
+        }
+    }
+    if let Some(p) = d.prefill {
+        let (name, worker) = match cfg.disaggregation.mode {
+            DisaggMode::Kvroute => (cfg.disaggregation.decode_header.as_str(), d.decode),
+            DisaggMode::LlmD => (cfg.disaggregation.prefiller_header.as_str(), p),
+        };
+        if let Some(ep) = r.worker_endpoint(worker) {
+            out.push((name, Cow::Borrowed(ep)));
+        }
+    }
+    out.push((ORCA_REQUEST, Cow::Borrowed("TEXT")));
+    out
+}
+
+/// Response headers that show the decision (config `debug_headers`).
+pub fn debug_headers(r: &Router, d: &Decision) -> Vec<(&'static str, String)> {
+    let mut h = vec![
+        ("x-kvroute-worker", r.worker_name(d.decode).to_string()),
+        (
+            "x-kvroute-predicted-cached-tokens",
+            d.overlap_tokens.to_string(),
+        ),
+        ("x-kvroute-prompt-tokens", d.prompt_tokens.to_string()),
+    ];
+    if let Some(p) = d.prefill {
+        h.push(("x-kvroute-prefill-worker", r.worker_name(p).to_string()));
+        h.push((
+            "x-kvroute-decode-cached-tokens",
+            d.decode_overlap_tokens.to_string(),
+        ));
+    }
+    if let Some(f) = &d.fallback {
+        h.push(("x-kvroute-fallback", f.kind().to_string()));
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::RouteResult;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn router(extra: &str) -> Router {
+        let json = format!(
+            r#"{{"workers":[
+                {{"name":"d0","endpoint":"10.0.0.1:8000","cluster":"c-d0"}},
+                {{"name":"d1","endpoint":"10.0.0.2:8000"}},
+                {{"name":"d2","endpoint":"w2.local:8000"}},
+                {{"name":"p0","endpoint":"10.0.1.1:8000","role":"prefill"}}
+            ]{extra}}}"#
+        );
+        Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 5)
+    }
+
+    fn decide(r: &mut Router, prompt_bytes: usize) -> Decision {
+        let prompt = "lorem ipsum dolor ".repeat(prompt_bytes / 18 + 1);
+        let body = serde_json::to_vec(&serde_json::json!({"model":"m","prompt":prompt})).unwrap();
+        match r.route(ApiKind::Completions, &body, 0) {
+            RouteResult::Routed(d) => d,
+            RouteResult::Rejected => panic!("rejected"),
+        }
+    }
+
+    fn get<'a>(h: &'a [(&str, Cow<'_, str>)], name: &str) -> Option<&'a str> {
+        h.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_ref())
+    }
+
+    #[test]
+    fn intercepts_posts_to_configured_routes_only() {
+        let cfg = Config::from_json(
+            br#"{"workers":[{"name":"a"}],"routes":["/v1/completions","/x/chat/completions"]}"#,
+        )
+        .unwrap();
+        let i = Intercept::from_config(&cfg);
+        assert_eq!(
+            i.api_kind(Some("POST"), "/v1/completions?stream=1"),
+            Some(ApiKind::Completions)
+        );
+        assert_eq!(
+            i.api_kind(Some("POST"), "/x/chat/completions"),
+            Some(ApiKind::ChatCompletions)
+        );
+        assert_eq!(i.api_kind(Some("GET"), "/v1/completions"), None);
+        assert_eq!(i.api_kind(None, "/v1/completions"), None);
+        assert_eq!(i.api_kind(Some("POST"), "/v1/chat/completions"), None);
+        assert_eq!(
+            i.strip(),
+            [
+                "x-kvroute-cluster",
+                "x-kvroute-decode-endpoint",
+                "x-prefiller-host-port"
+            ]
+        );
+    }
+
+    #[test]
+    fn cluster_mode_names_the_target_cluster() {
+        let mut r = router(r#","disaggregation":{"threshold_tokens":0}"#);
+        let d = decide(&mut r, 100);
+        let h = request_headers(&r, &d);
+        let want = r.worker_cluster(d.target).to_string();
+        assert_eq!(get(&h, "x-kvroute-cluster"), Some(want.as_str()));
+        assert_eq!(get(&h, ORCA_REQUEST), Some("TEXT"));
+        assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn endpoint_mode_lists_target_then_alternates_with_endpoints() {
+        let mut r = router(
+            r#","steering":{"mode":"endpoint","fallbacks":3},"disaggregation":{"threshold_tokens":0}"#,
+        );
+        let mut d = decide(&mut r, 100);
+        d.target = 1;
+        d.alternates = vec![2, 0];
+        let h = request_headers(&r, &d);
+        assert_eq!(
+            get(&h, "x-gateway-destination-endpoint"),
+            Some("10.0.0.2:8000,w2.local:8000,10.0.0.1:8000")
+        );
+        d.target = 2;
+        d.alternates.clear();
+        let h = request_headers(&r, &d);
+        assert_eq!(
+            get(&h, "x-gateway-destination-endpoint"),
+            Some("w2.local:8000")
+        );
+        assert_eq!(get(&h, ORCA_REQUEST), Some("TEXT"));
+        assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn disaggregation_headers_per_mode() {
+        let mut r = router(r#","disaggregation":{"threshold_tokens":100}"#);
+        let d = decide(&mut r, 20_000);
+        assert_eq!(d.prefill, Some(3));
+        let h = request_headers(&r, &d);
+        assert_eq!(get(&h, "x-kvroute-cluster"), Some("p0"));
+        let decode_ep = r.worker_endpoint(d.decode).unwrap().to_string();
+        assert_eq!(
+            get(&h, "x-kvroute-decode-endpoint"),
+            Some(decode_ep.as_str())
+        );
+        assert_eq!(get(&h, "x-prefiller-host-port"), None);
+
+        let mut r = router(r#","disaggregation":{"threshold_tokens":100,"mode":"llm-d"}"#);
+        let d = decide(&mut r, 20_000);
+        assert_eq!(d.prefill, Some(3));
+        let h = request_headers(&r, &d);
+        let decode_cluster = r.worker_cluster(d.decode).to_string();
+        assert_eq!(get(&h, "x-kvroute-cluster"), Some(decode_cluster.as_str()));
+        assert_eq!(get(&h, "x-prefiller-host-port"), Some("10.0.1.1:8000"));
+        assert_eq!(get(&h, "x-kvroute-decode-endpoint"), None);
+    }
+
+    #[test]
+    fn debug_headers_show_the_decision() {
+        let mut r = router(r#","disaggregation":{"threshold_tokens":100}"#);
+        let d = decide(&mut r, 20_000);
+        let h = debug_headers(&r, &d);
+        let names: Vec<&str> = h.iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            names,
+            [
+                "x-kvroute-worker",
+                "x-kvroute-predicted-cached-tokens",
+                "x-kvroute-prompt-tokens",
+                "x-kvroute-prefill-worker",
+                "x-kvroute-decode-cached-tokens"
+            ]
+        );
+        assert_eq!(h[0].1, r.worker_name(d.decode));
+        assert_eq!(h[2].1, d.prompt_tokens.to_string());
+        assert_eq!(h[3].1, "p0");
+
+        let mut r = router("");
+        let d = match r.route(ApiKind::Completions, b"{broken", 0) {
+            RouteResult::Routed(d) => d,
+            RouteResult::Rejected => panic!("rejected"),
+        };
+        let h = debug_headers(&r, &d);
+        assert_eq!(h.len(), 4);
+        assert_eq!(h[3], ("x-kvroute-fallback", "parse_error".to_string()));
+    }
+}
