@@ -15,7 +15,7 @@ use std::rc::Rc;
 const DRAIN_MAX: usize = 4096;
 
 pub struct State {
-    pub host: Rc<Calls>,
+    host: Rc<Calls>,
     pub router: Router,
     pub metrics: Metrics,
     /// Routes and client headers of interest, fixed by the configuration.

@@ -7,6 +7,7 @@ use super::root::Root;
 use super::state::State;
 use crate::config::Config;
 use crate::replication::memory::MemoryBus;
+use crate::replication::SharedBus;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType, MetricType, Status};
 use std::cell::RefCell;
@@ -157,17 +158,16 @@ const WORKERS: &str = r#""workers":[
 impl Vm {
     /// `extra` is appended to the worker list of the plugin configuration.
     fn new(extra: &str) -> Vm {
+        Vm::with_bus(extra, Box::new(MemoryBus::default()))
+    }
+
+    fn with_bus(extra: &str, bus: Box<dyn SharedBus>) -> Vm {
         let json = format!(r#"{{{WORKERS},"seed":7{extra}}}"#);
         let cfg = Config::from_json(json.as_bytes()).unwrap();
         let fake = FakeHost::default();
         fake.0.borrow_mut().now_ns = 1_000_000_000;
         let host = Rc::new(Calls::new(Box::new(fake.clone())));
-        let state = State::configure(
-            Rc::clone(&host),
-            cfg,
-            Box::new(MemoryBus::default()),
-            "kvroute",
-        );
+        let state = State::configure(Rc::clone(&host), cfg, bus, "kvroute");
         Vm {
             fake,
             host,
@@ -671,4 +671,47 @@ fn root_configures_from_the_plugin_configuration() {
         .logs
         .iter()
         .any(|(_, m)| m.contains("configured 1 workers")));
+}
+
+/// One in-memory bus seen by several VMs of a simulated Envoy process.
+struct Process(Rc<MemoryBus>);
+
+impl SharedBus for Process {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.0.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        self.0.set(key, value, cas)
+    }
+    fn register_queue(&self, name: &str) -> Option<u32> {
+        self.0.register_queue(name)
+    }
+    fn resolve_queue(&self, name: &str) -> Option<u32> {
+        self.0.resolve_queue(name)
+    }
+    fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
+        self.0.enqueue(queue, msg)
+    }
+    fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
+        self.0.dequeue(queue)
+    }
+}
+
+#[test]
+fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let (_h, _) = a.post("replicate me");
+    assert_eq!((a.inflight(), b.inflight()), (1, 0));
+    // Nothing was sent inside the request callback: the event waits for a's wake-up.
+    assert_eq!(a.counter("kvroute.replication.sent.total"), 0);
+    a.state.borrow_mut().drain();
+    assert_eq!(a.counter("kvroute.replication.sent.total"), 1);
+    // b has not routed yet: it keeps the message raw until it does.
+    b.state.borrow_mut().drain();
+    assert_eq!(b.inflight(), 0);
+    b.state.borrow_mut().start_serving();
+    assert_eq!(b.inflight(), 1);
+    assert_eq!(b.counter("kvroute.replication.received.total"), 1);
 }
