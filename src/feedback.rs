@@ -95,7 +95,6 @@ struct DetailsWire {
 #[derive(Debug, Default)]
 pub struct UsageTail {
     buf: Vec<u8>,
-    seen_bytes: u64,
 }
 
 /// Enough for the final SSE chunk with usage, or the end of a JSON body.
@@ -103,7 +102,6 @@ const TAIL: usize = 8 * 1024;
 
 impl UsageTail {
     pub fn push(&mut self, chunk: &[u8]) {
-        self.seen_bytes += chunk.len() as u64;
         if chunk.len() >= TAIL {
             self.buf.clear();
             self.buf
@@ -117,17 +115,13 @@ impl UsageTail {
         }
     }
 
-    pub fn seen_bytes(&self) -> u64 {
-        self.seen_bytes
-    }
-
     /// The last `"usage": {...}` object in the retained tail, if it parses.
     pub fn usage(&self) -> Option<Usage> {
         find_usage(&self.buf)
     }
 }
 
-pub fn find_usage(body: &[u8]) -> Option<Usage> {
+fn find_usage(body: &[u8]) -> Option<Usage> {
     const KEY: &[u8] = b"\"usage\"";
     let mut end = body.len();
     while let Some(pos) = rfind(body.get(..end)?, KEY) {
@@ -274,7 +268,6 @@ mod tests {
                 cached_tokens: None
             })
         );
-        assert_eq!(tail.seen_bytes(), sse.len() as u64);
         assert_eq!(find_usage(b"{\"usage\":null}"), None);
         assert_eq!(find_usage(b"garbage \"usage\""), None);
     }
