@@ -3,18 +3,20 @@
 //! Parsing goes through `serde_json::Value` rather than typed structs so that each wrong
 //! field gets its own message and `param`, like vLLM's validation errors.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::tokenizer;
 
-/// A 4xx answer in OpenAI's error shape.
+/// An error answer in vLLM's shape: `{"error":{"message":..,"type":..,"param":..,"code":N}}`
+/// where `code` is the HTTP status as an integer and `type` names the status class
+/// (`BadRequestError`, `NotFoundError`, ...), serialized compactly in that key order as
+/// FastAPI's `JSONResponse` writes pydantic's `ErrorResponse`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: u16,
     pub message: String,
     pub kind: &'static str,
     pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -22,27 +24,35 @@ impl ApiError {
         ApiError {
             status: 400,
             message: message.into(),
-            kind: "invalid_request_error",
+            kind: "BadRequestError",
             param,
-            code: None,
         }
     }
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-    pub fn not_found(message: impl Into<String>, code: &'static str) -> Self {
+    pub fn not_found(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError {
             status: 404,
             message: message.into(),
-            kind: "invalid_request_error",
+            kind: "NotFoundError",
+            param,
+        }
+    }
+    /// Any other status; `kind` is the class name vLLM would use.
+    pub fn other(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
             param: None,
-            code: Some(code),
         }
     }
     pub fn body(&self) -> String {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
-            .to_string()
+        format!(
+            "{{\"error\":{{\"message\":{},\"type\":{},\"param\":{},\"code\":{}}}}}",
+            Value::from(self.message.as_str()),
+            Value::from(self.kind),
+            self.param.map_or(Value::Null, Value::from),
+            self.status
+        )
     }
 }
 
@@ -208,14 +218,13 @@ fn opt_bool(
 /// `messages` is a chat.
 pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(
-            ApiError::bad("request body is empty; expected a JSON object", None)
-                .with_code("invalid_json"),
-        );
+        return Err(ApiError::bad(
+            "request body is empty; expected a JSON object",
+            None,
+        ));
     }
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad(format!("invalid JSON body: {e}"), None).with_code("invalid_json")
-    })?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
     let obj = v
         .as_object()
         .ok_or_else(|| ApiError::bad("request body must be a JSON object", None))?;
@@ -319,6 +328,7 @@ pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn chat(msgs: Value) -> Vec<u32> {
         parse(
@@ -376,5 +386,17 @@ mod tests {
         assert!(parse(b"", None).is_err());
         assert!(parse(b"{", None).is_err());
         assert!(parse(br#"{"prompt":"x","max_tokens":"3"}"#, None).is_err());
+    }
+
+    #[test]
+    fn error_body_is_vllms_byte_for_byte() {
+        assert_eq!(
+            ApiError::not_found("The model `x` does not exist.", Some("model")).body(),
+            r#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":"model","code":404}}"#
+        );
+        assert_eq!(
+            ApiError::bad("bad \"q\"", None).body(),
+            r#"{"error":{"message":"bad \"q\"","type":"BadRequestError","param":null,"code":400}}"#
+        );
     }
 }

@@ -333,6 +333,20 @@ impl Config {
         Ok(())
     }
 
+    /// vLLM refuses to start when `max_model_len` exceeds what the KV cache can hold; the
+    /// mock shrinks it to the capacity instead (tests run with small caches) and says so.
+    pub fn fit_context_to_kv(&mut self) -> Option<String> {
+        let cap = self.kv_blocks.saturating_mul(self.block_size);
+        (self.max_model_len > cap).then(|| {
+            let msg = format!(
+                "--max-model-len {} exceeds the KV cache ({} blocks x {} = {cap} tokens), where vLLM would refuse to start; using {cap}",
+                self.max_model_len, self.kv_blocks, self.block_size
+            );
+            self.max_model_len = cap;
+            msg
+        })
+    }
+
     /// The id in `x-worker-id`; defaults to `mock-<port>` with the port actually bound.
     pub fn worker_name(&self, bound_port: u16) -> String {
         if self.name.is_empty() {

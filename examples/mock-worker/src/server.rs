@@ -58,8 +58,11 @@ pub struct Handle {
 }
 
 /// Binds, spawns the engine loop and the accept loop on the current runtime, and returns.
-pub async fn start(cfg: Config) -> std::io::Result<Handle> {
+pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
     cfg.validate().map_err(std::io::Error::other)?;
+    if let Some(warning) = cfg.fit_context_to_kv() {
+        eprintln!("mock-worker: warning: {warning}");
+    }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
     let name = cfg.worker_name(addr.port());
@@ -132,6 +135,12 @@ fn respond(
     r
 }
 
+/// Starlette's `{"detail": ...}` body, which vLLM sends for unknown paths and methods.
+fn detail(status: StatusCode, text: &str, worker: &str) -> Response<RespBody> {
+    let body = format!("{{\"detail\":{}}}", serde_json::Value::from(text));
+    respond(status, "application/json", body, worker)
+}
+
 fn error(e: &ApiError, worker: &str) -> Response<RespBody> {
     respond(
         StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
@@ -202,17 +211,9 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
             | "/v1/completions"
             | "/v1/chat/completions"
             | "/v1/cache/probe",
-        ) => {
-            let e = ApiError {
-                status: 405,
-                ..ApiError::bad(format!("method {method} not allowed on {path}"), None)
-            };
-            error(&e, name)
-        }
-        _ => error(
-            &ApiError::not_found(format!("no route for {method} {path}"), "not_found"),
-            name,
-        ),
+        ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed", name),
+        // FastAPI's own answer for a path no route serves.
+        _ => detail(StatusCode::NOT_FOUND, "Not Found", name),
     };
     Ok(resp)
 }
@@ -220,10 +221,11 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
 async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     match Limited::new(body, BODY_LIMIT).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError {
-            status: 413,
-            ..ApiError::bad(format!("request body over {BODY_LIMIT} bytes"), None)
-        }),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::other(
+            413,
+            "RequestEntityTooLarge",
+            format!("request body over {BODY_LIMIT} bytes"),
+        )),
         Err(e) => Err(ApiError::bad(
             format!("could not read the request body: {e}"),
             None,
@@ -258,36 +260,39 @@ async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     respond(StatusCode::OK, "application/json", body.to_string(), name)
 }
 
-/// Validates what the engine can serve.
+/// Validates what the engine can serve, and fills in vLLM's default `max_tokens`.
 fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
     if let Some(m) = &p.model {
         if m != &cfg.model && !cfg.accept_any_model {
             return Err(ApiError::not_found(
                 format!("The model `{m}` does not exist."),
-                "model_not_found",
+                Some("model"),
             ));
         }
     }
     let len = p.tokens.len();
-    if !p.max_tokens_given && len < cfg.max_model_len {
-        // Like vLLM, an absent max_tokens shrinks to what fits.
-        p.max_tokens = p.max_tokens.min(cfg.max_model_len - len);
-    }
-    if len + p.max_tokens > cfg.max_model_len {
+    let limit = cfg.max_model_len;
+    // What the client asked for: an absent max_tokens asks for no particular length.
+    let asked = if p.max_tokens_given { p.max_tokens } else { 0 };
+    // A prompt that leaves no room for one output token is refused even without max_tokens.
+    if len + asked > limit || len >= limit {
         return Err(ApiError::bad(
             format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} in the completion). Please reduce the length of the prompt or completion.",
-                cfg.max_model_len,
-                len + p.max_tokens,
-                len,
-                p.max_tokens
+                "You passed {len} input tokens and requested {asked} output tokens. However, the model's context length is only {limit} tokens, resulting in a maximum input length of {} tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={len})",
+                limit.saturating_sub(asked)
             ),
-            Some(if p.kind == Kind::Chat { "messages" } else { "prompt" }),
-        )
-        .with_code("context_length_exceeded"));
+            Some("input_tokens"),
+        ));
+    }
+    if !p.max_tokens_given {
+        // vLLM: chat generates up to the rest of the context; completions default to 16.
+        p.max_tokens = match p.kind {
+            Kind::Chat => limit - len,
+            Kind::Completion => api::DEFAULT_MAX_TOKENS.min(limit - len),
+        };
     }
     // A sequence larger than the whole cache could never run; refuse it rather than
-    // preempting it forever.
+    // preempting it forever (vLLM refuses to start with such a max_model_len instead).
     let cap = cfg.kv_blocks * cfg.block_size;
     if len + p.max_tokens > cap {
         return Err(ApiError::bad(
@@ -296,8 +301,7 @@ fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
                 len + p.max_tokens
             ),
             Some("max_tokens"),
-        )
-        .with_code("context_length_exceeded"));
+        ));
     }
     Ok(())
 }
@@ -397,11 +401,11 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let usage = match wait_done(rx).await {
         Some(u) => u,
         None => {
-            let e = ApiError {
-                status: 500,
-                kind: "internal_error",
-                ..ApiError::bad("request was dropped by the engine", None)
-            };
+            let e = ApiError::other(
+                500,
+                "InternalServerError",
+                "request was dropped by the engine",
+            );
             return error(&e, name);
         }
     };
@@ -483,11 +487,11 @@ async fn prefill_handoff(
         arrival,
     );
     let Some(usage) = wait_done(rx).await else {
-        let e = ApiError {
-            status: 500,
-            kind: "internal_error",
-            ..ApiError::bad("prefill was dropped by the engine", None)
-        };
+        let e = ApiError::other(
+            500,
+            "InternalServerError",
+            "prefill was dropped by the engine",
+        );
         return error(&e, name);
     };
     let own_orca = ctx.orca(orca_fmt.as_ref(), parsed.stream);
@@ -517,11 +521,11 @@ async fn prefill_handoff(
     let resp = match ctx.client.request(out).await {
         Ok(r) => r,
         Err(e) => {
-            let e = ApiError {
-                status: 502,
-                kind: "upstream_error",
-                ..ApiError::bad(format!("decode worker {decode} failed: {e}"), None)
-            };
+            let e = ApiError::other(
+                502,
+                "BadGateway",
+                format!("decode worker {decode} failed: {e}"),
+            );
             return error(&e, name);
         }
     };

@@ -345,13 +345,13 @@ async fn malformed_requests_get_400_with_error_object() {
             "/v1/completions",
             json!({"prompt": long}).to_string(),
             400,
-            Some("prompt"),
+            Some("input_tokens"),
         ),
         (
             "/v1/completions",
             r#"{"prompt":"hi","max_tokens":500}"#.into(),
             400,
-            Some("prompt"),
+            Some("input_tokens"),
         ),
         (
             "/v1/chat/completions",
@@ -381,9 +381,8 @@ async fn malformed_requests_get_400_with_error_object() {
             "/v1/completions",
             r#"{"model":"other","prompt":"hi"}"#.into(),
             404,
-            None,
+            Some("model"),
         ),
-        ("/v1/nothing", r#"{"prompt":"hi"}"#.into(), 404, None),
     ];
     for (path, body, status, param) in cases {
         let r = post(w.addr, path, &body, &[]).await;
@@ -393,11 +392,18 @@ async fn malformed_requests_get_400_with_error_object() {
             e["message"].as_str().is_some_and(|m| !m.is_empty()),
             "{body}"
         );
-        assert_eq!(e["type"], "invalid_request_error");
+        let kind = if status == 404 {
+            "NotFoundError"
+        } else {
+            "BadRequestError"
+        };
+        assert_eq!(e["type"], kind);
+        assert_eq!(e["code"], status, "the code is the HTTP status, an integer");
         if let Some(p) = param {
             assert_eq!(e["param"], p, "{body}");
         }
     }
+    // Byte for byte where vLLM defines the text.
     assert_eq!(
         post(
             w.addr,
@@ -406,8 +412,18 @@ async fn malformed_requests_get_400_with_error_object() {
             &[]
         )
         .await
-        .json()["error"]["code"],
-        "model_not_found"
+        .body,
+        r#"{"error":{"message":"The model `other` does not exist.","type":"NotFoundError","param":"model","code":404}}"#
+    );
+    let nothing = post(w.addr, "/v1/nothing", "{}", &[]).await;
+    assert_eq!(
+        (nothing.status, nothing.body.as_str()),
+        (404, r#"{"detail":"Not Found"}"#)
+    );
+    let wrong = get(w.addr, "/v1/completions").await;
+    assert_eq!(
+        (wrong.status, wrong.body.as_str()),
+        (405, r#"{"detail":"Method Not Allowed"}"#)
     );
     // The worker is still fine afterwards.
     assert_eq!(get(w.addr, "/health").await.status, 200);
@@ -633,4 +649,81 @@ async fn prompt_tokens_details_only_with_the_vllm_flag() {
             .unwrap()
             > 100
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn context_length_limits_and_default_max_tokens_as_vllm() {
+    let w = worker("--speedup 50 --max-model-len 100").await;
+    let ids = |n: usize| json!((1..=n).collect::<Vec<usize>>());
+    // prompt + max_tokens over max_model_len: vLLM's message and param.
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids(60), "max_tokens": 41}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.body,
+        r#"{"error":{"message":"You passed 60 input tokens and requested 41 output tokens. However, the model's context length is only 100 tokens, resulting in a maximum input length of 59 tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=60)","type":"BadRequestError","param":"input_tokens","code":400}}"#
+    );
+    // A prompt of max_model_len tokens or more is refused even without max_tokens.
+    for n in [100, 101] {
+        let r = post(
+            w.addr,
+            "/v1/completions",
+            &json!({"prompt": ids(n)}).to_string(),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status, 400, "{n}");
+        assert!(
+            r.body.contains(&format!(
+                "You passed {n} input tokens and requested 0 output tokens"
+            )),
+            "{}",
+            r.body
+        );
+    }
+    // Exactly full is fine.
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids(60), "max_tokens": 40}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(r.json()["usage"]["completion_tokens"], 40);
+    // Without max_tokens: completions default to 16, chat to the rest of the context.
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids(10)}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16);
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids(90)}).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(r.json()["usage"]["completion_tokens"], 10);
+    let chat = post(
+        w.addr,
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        &[],
+    )
+    .await
+    .json();
+    let u = &chat["usage"];
+    assert_eq!(u["total_tokens"], 100, "{u}");
+    // A context longer than the KV cache is cut to the cache, where vLLM would not start.
+    let small = worker("--kv-blocks 8 --block-size 16").await;
+    let models = get(small.addr, "/v1/models").await.json();
+    assert_eq!(models["data"][0]["max_model_len"], 128);
 }
