@@ -160,28 +160,37 @@ fn token_list(v: &[Value]) -> Option<Vec<u32>> {
 /// Tokens of a completions `prompt`. For a list of prompts only the first is served: the mock
 /// answers a batch of one (one `choices` entry), and says so in its README.
 fn completion_tokens(prompt: &Value) -> Result<Vec<u32>, ApiError> {
+    let mut all = completion_prompts(prompt, false)?;
+    Ok(all.swap_remove(0))
+}
+
+/// Every prompt of a completions `prompt` (`all`), or just the first; never empty.
+pub fn completion_prompts(prompt: &Value, all: bool) -> Result<Vec<Vec<u32>>, ApiError> {
     let wrong = || {
         ApiError::bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", Some("prompt"))
     };
+    let take = |n: usize| if all { n } else { 1 };
     match prompt {
-        Value::String(s) => Ok(tokenizer::encode(s)),
+        Value::String(s) => Ok(vec![tokenizer::encode(s)]),
         Value::Array(items) => match items.first() {
             None => Err(ApiError::bad("'prompt' must not be empty", Some("prompt"))),
             Some(Value::String(_)) => {
                 if items.iter().all(Value::is_string) {
-                    Ok(tokenizer::encode(items[0].as_str().unwrap()))
+                    Ok(items
+                        .iter()
+                        .take(take(items.len()))
+                        .map(|v| tokenizer::encode(v.as_str().unwrap_or("")))
+                        .collect())
                 } else {
                     Err(wrong())
                 }
             }
-            Some(Value::Number(_)) => token_list(items).ok_or_else(wrong),
-            Some(Value::Array(first)) => {
-                if items.iter().all(Value::is_array) {
-                    token_list(first).ok_or_else(wrong)
-                } else {
-                    Err(wrong())
-                }
-            }
+            Some(Value::Number(_)) => Ok(vec![token_list(items).ok_or_else(wrong)?]),
+            Some(Value::Array(_)) if items.iter().all(Value::is_array) => items
+                .iter()
+                .take(take(items.len()))
+                .map(|v| v.as_array().and_then(|a| token_list(a)).ok_or_else(wrong))
+                .collect(),
             Some(_) => Err(wrong()),
         },
         _ => Err(wrong()),

@@ -203,6 +203,9 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
         (Method::POST, "/v1/completions") => inference(req, ctx.clone(), Kind::Completion).await,
         (Method::POST, "/v1/chat/completions") => inference(req, ctx.clone(), Kind::Chat).await,
         (Method::POST, "/v1/cache/probe") => probe(req, &ctx).await,
+        (Method::POST, "/tokenize") => tokenize(req, &ctx).await,
+        (Method::POST, "/v1/completions/render") => render(req, &ctx, Kind::Completion).await,
+        (Method::POST, "/v1/chat/completions/render") => render(req, &ctx, Kind::Chat).await,
         (
             _,
             "/health"
@@ -210,7 +213,10 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
             | "/metrics"
             | "/v1/completions"
             | "/v1/chat/completions"
-            | "/v1/cache/probe",
+            | "/v1/cache/probe"
+            | "/tokenize"
+            | "/v1/completions/render"
+            | "/v1/chat/completions/render",
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed", name),
         // FastAPI's own answer for a path no route serves.
         _ => detail(StatusCode::NOT_FOUND, "Not Found", name),
@@ -260,16 +266,102 @@ async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     respond(StatusCode::OK, "application/json", body.to_string(), name)
 }
 
+/// vLLM's `POST /tokenize`: a completions-style `{"prompt": ..}` or a chat-style
+/// `{"messages": ..}` body; answers `{"count","max_model_len","tokens","token_strs"}` with the
+/// ids the engine would cache (the same tokenizer and chat template as inference).
+async fn tokenize(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
+    let name = ctx.shared.name.as_str();
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return error(&e, name),
+    };
+    let parsed = match api::parse(&body, None) {
+        Ok(p) => p,
+        Err(e) => return error(&e, name),
+    };
+    if let Err(e) = check_model(&parsed, &ctx.shared.cfg) {
+        return error(&e, name);
+    }
+    let out = json!({
+        "count": parsed.tokens.len(),
+        "max_model_len": ctx.shared.cfg.max_model_len,
+        "tokens": parsed.tokens,
+        // Ids are hashes of text pieces, with no vocabulary to print them from.
+        "token_strs": null,
+    });
+    respond(StatusCode::OK, "application/json", out.to_string(), name)
+}
+
+/// vLLM's render endpoints: the request as the engine would receive it, without running
+/// it. Completions answer a list (one entry per prompt of a batch), chat one object.
+async fn render(req: Request<Incoming>, ctx: &Ctx, kind: Kind) -> Response<RespBody> {
+    let name = ctx.shared.name.as_str();
+    let cfg = &ctx.shared.cfg;
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return error(&e, name),
+    };
+    let mut parsed = match api::parse(&body, Some(kind == Kind::Chat)) {
+        Ok(p) => p,
+        Err(e) => return error(&e, name),
+    };
+    let prompts = match kind {
+        Kind::Chat => vec![std::mem::take(&mut parsed.tokens)],
+        Kind::Completion => {
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            match api::completion_prompts(&v["prompt"], true) {
+                Ok(p) => p,
+                Err(e) => return error(&e, name),
+            }
+        }
+    };
+    let model = parsed.model.clone().unwrap_or_else(|| cfg.model.clone());
+    let mut out = Vec::with_capacity(prompts.len());
+    for tokens in prompts {
+        let mut one = Parsed {
+            tokens,
+            ..parsed.clone()
+        };
+        if let Err(e) = check(&mut one, cfg) {
+            return error(&e, name);
+        }
+        let n = ctx.seq.fetch_add(1, Ordering::Relaxed);
+        let prefix = if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        };
+        out.push(json!({
+            "request_id": format!("{prefix}-{name}-{n}"),
+            "token_ids": one.tokens,
+            "features": null,
+            "sampling_params": {"max_tokens": one.max_tokens},
+            "model": model,
+            "stream": one.stream,
+            "cache_salt": one.cache_salt,
+            "priority": 0,
+        }));
+    }
+    let out = match kind {
+        Kind::Chat => out.pop().unwrap_or_default(),
+        Kind::Completion => serde_json::Value::Array(out),
+    };
+    respond(StatusCode::OK, "application/json", out.to_string(), name)
+}
+
+fn check_model(p: &Parsed, cfg: &Config) -> Result<(), ApiError> {
+    match &p.model {
+        Some(m) if m != &cfg.model && !cfg.accept_any_model => Err(ApiError::not_found(
+            format!("The model `{m}` does not exist."),
+            Some("model"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Validates what the engine can serve, and fills in vLLM's default `max_tokens`.
 fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
-    if let Some(m) = &p.model {
-        if m != &cfg.model && !cfg.accept_any_model {
-            return Err(ApiError::not_found(
-                format!("The model `{m}` does not exist."),
-                Some("model"),
-            ));
-        }
-    }
+    check_model(p, cfg)?;
     let len = p.tokens.len();
     let limit = cfg.max_model_len;
     // What the client asked for: an absent max_tokens asks for no particular length.

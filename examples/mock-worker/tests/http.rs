@@ -727,3 +727,94 @@ async fn context_length_limits_and_default_max_tokens_as_vllm() {
     let models = get(small.addr, "/v1/models").await.json();
     assert_eq!(models["data"][0]["max_model_len"], 128);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_render_give_the_ids_the_engine_caches() {
+    let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
+    let prompt = text(21, 300);
+    let tok = post(
+        w.addr,
+        "/tokenize",
+        &json!({"prompt": prompt}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    let ids = tok["tokens"].as_array().unwrap().clone();
+    assert_eq!(tok["count"], ids.len());
+    assert_eq!(tok["max_model_len"], 131_072);
+    assert!(tok["token_strs"].is_null());
+    let render = post(
+        w.addr,
+        "/v1/completions/render",
+        &json!({"model": "mock-model", "prompt": [prompt, "second"], "max_tokens": 3}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    let list = render.as_array().unwrap();
+    assert_eq!(list.len(), 2, "one entry per prompt");
+    assert_eq!(list[0]["token_ids"].as_array().unwrap(), &ids);
+    assert_eq!(list[0]["model"], "mock-model");
+    assert_eq!(list[0]["sampling_params"]["max_tokens"], 3);
+    assert!(list[0]["request_id"].as_str().unwrap().starts_with("cmpl-"));
+    // Serve the text, then the ids: the ids hit everything the text cached.
+    let first = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(first["usage"]["prompt_tokens"], ids.len());
+    let again = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    let n = ids.len() as u64;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        (n - 1) / 16 * 16
+    );
+    // Chat: tokenize and render apply the same template as inference.
+    let msgs =
+        json!([{"role": "system", "content": text(22, 50)}, {"role": "user", "content": "hi"}]);
+    let ct = post(
+        w.addr,
+        "/tokenize",
+        &json!({"messages": msgs}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    let cr = post(
+        w.addr,
+        "/v1/chat/completions/render",
+        &json!({"messages": msgs, "max_tokens": 2}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(cr["token_ids"], ct["tokens"]);
+    assert!(cr["request_id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let chat = post(
+        w.addr,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 2}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(chat["usage"]["prompt_tokens"], ct["count"]);
+    // Errors as vLLM's.
+    let bad = post(w.addr, "/tokenize", r#"{"model":"x","prompt":"a"}"#, &[]).await;
+    assert_eq!(bad.status, 404);
+    // Nothing reached the engine: only the two completions and the chat ran.
+    let m = get(w.addr, "/metrics").await.body;
+    assert_eq!(metric(&m, "vllm:request_success_total"), 3.0);
+}
