@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, Limited};
@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, ApiError, Kind, Parsed};
 use crate::config::{Config, Role};
-use crate::engine::{self, Event, NewRequest, Shared, Usage};
+use crate::engine::{self, Arrival, Event, NewRequest, Shared, Timing, Usage};
 use crate::kv;
 use crate::metrics;
 use crate::orca;
@@ -39,6 +39,13 @@ pub const ORCA_FORMAT_HEADER: &str = "endpoint-load-metrics-format";
 pub const ORCA_HEADER: &str = "endpoint-load-metrics";
 /// The decode worker's own ORCA report, kept when a prefill worker relays its response.
 pub const DECODE_ORCA_HEADER: &str = "x-decode-endpoint-load-metrics";
+/// The engine's own timing of a request (seconds on its schedule, see `engine::Timing`):
+/// a response header on JSON responses, an SSE comment line before `[DONE]` on streams.
+pub const TIMING_HEADER: &str = "x-mock-engine-timing";
+
+fn timing_value(t: &Timing) -> String {
+    format!("ttft={:.6};e2e={:.6}", t.ttft, t.e2e)
+}
 
 /// Largest accepted request body; far above any prompt within --max-model-len.
 const BODY_LIMIT: usize = 64 << 20;
@@ -239,30 +246,41 @@ async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     }
 }
 
+/// Reads and parses a request body (`chat`: see `api::parse`).
+async fn read_parsed(body: Incoming, chat: Option<bool>) -> Result<(Bytes, Parsed), ApiError> {
+    let b = read_body(body).await?;
+    let p = api::parse(&b, chat)?;
+    Ok((b, p))
+}
+
+/// The oracle's side channel. Parsing, tokenizing and hashing run on the blocking pool, not
+/// on the thread that serves (and stamps the arrival of) inference requests, and never on
+/// the engine thread; the engine state is locked only for the hash lookups.
 async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     let name = ctx.shared.name.as_str();
-    let parsed = match read_body(req.into_body())
-        .await
-        .and_then(|b| api::parse(&b, None))
-    {
-        Ok(p) => p,
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
         Err(e) => return error(&e, name),
     };
     let bs = ctx.shared.cfg.block_size;
-    let mut hashes = Vec::with_capacity(parsed.tokens.len() / bs);
-    kv::extend_hashes(
-        &mut hashes,
-        kv::chain_root(parsed.cache_salt.as_deref()),
-        &parsed.tokens,
-        bs,
-    );
-    let cached = ctx
-        .shared
-        .state
-        .lock()
-        .unwrap()
-        .probe_hashes(&hashes, parsed.tokens.len());
-    let body = json!({"prompt_tokens": parsed.tokens.len(), "cached_tokens": cached});
+    let work = tokio::task::spawn_blocking(move || {
+        api::parse(&body, None).map(|p| {
+            let mut hashes = Vec::with_capacity(p.tokens.len() / bs);
+            let root = kv::chain_root(p.cache_salt.as_deref());
+            kv::extend_hashes(&mut hashes, root, &p.tokens, bs);
+            (p.tokens.len(), hashes)
+        })
+    });
+    let (len, hashes) = match work.await {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return error(&e, name),
+        Err(e) => {
+            let e = ApiError::other(500, "InternalServerError", format!("probe failed: {e}"));
+            return error(&e, name);
+        }
+    };
+    let cached = ctx.shared.state.lock().unwrap().probe_hashes(&hashes, len);
+    let body = json!({"prompt_tokens": len, "cached_tokens": cached});
     respond(StatusCode::OK, "application/json", body.to_string(), name)
 }
 
@@ -271,12 +289,8 @@ async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
 /// ids the engine would cache (the same tokenizer and chat template as inference).
 async fn tokenize(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     let name = ctx.shared.name.as_str();
-    let body = match read_body(req.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error(&e, name),
-    };
-    let parsed = match api::parse(&body, None) {
-        Ok(p) => p,
+    let parsed = match read_parsed(req.into_body(), None).await {
+        Ok((_, p)) => p,
         Err(e) => return error(&e, name),
     };
     if let Err(e) = check_model(&parsed, &ctx.shared.cfg) {
@@ -297,12 +311,8 @@ async fn tokenize(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
 async fn render(req: Request<Incoming>, ctx: &Ctx, kind: Kind) -> Response<RespBody> {
     let name = ctx.shared.name.as_str();
     let cfg = &ctx.shared.cfg;
-    let body = match read_body(req.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error(&e, name),
-    };
-    let mut parsed = match api::parse(&body, Some(kind == Kind::Chat)) {
-        Ok(p) => p,
+    let (body, mut parsed) = match read_parsed(req.into_body(), Some(kind == Kind::Chat)).await {
+        Ok(v) => v,
         Err(e) => return error(&e, name),
     };
     let prompts = match kind {
@@ -403,7 +413,8 @@ fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
 }
 
 async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Response<RespBody> {
-    let arrival = Instant::now();
+    // Stamped on receipt of the headers, before the body is read and parsed.
+    let arrival = ctx.shared.arrive();
     let shared = &ctx.shared;
     let name = shared.name.as_str();
     let cfg = &shared.cfg;
@@ -421,12 +432,8 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         }
     };
     let path = req.uri().path().to_string();
-    let body = match read_body(req.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error(&e, name),
-    };
-    let mut parsed = match api::parse(&body, Some(kind == Kind::Chat)) {
-        Ok(p) => p,
+    let (body, mut parsed) = match read_parsed(req.into_body(), Some(kind == Kind::Chat)).await {
+        Ok(v) => v,
         Err(e) => return error(&e, name),
     };
     if let Err(e) = check(&mut parsed, cfg) {
@@ -453,9 +460,9 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let prompt_len = parsed.tokens.len();
     let rx = shared.submit(
         NewRequest {
-            tokens: parsed.tokens,
+            tokens: std::mem::take(&mut parsed.tokens),
             max_tokens: parsed.max_tokens,
-            salt: parsed.cache_salt,
+            salt: parsed.cache_salt.take(),
             transferred,
         },
         arrival,
@@ -469,15 +476,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if parsed.stream {
         // Streaming headers go out now, so a (legacy) load report is taken now.
         let orca = ctx.orca(orca_fmt.as_ref(), true);
-        let sse = SseBody::new(
-            rx,
-            &id,
-            &model,
-            kind,
-            parsed.max_tokens,
-            parsed.include_usage,
-            cfg.enable_prompt_tokens_details,
-        );
+        let sse = SseBody::new(rx, &id, &model, &parsed, cfg);
         let mut r = Response::new(sse.boxed_unsync());
         let h = r.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -490,7 +489,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         }
         return r;
     }
-    let usage = match wait_done(rx).await {
+    let (usage, timing) = match wait_done(rx).await {
         Some(u) => u,
         None => {
             let e = ApiError::other(
@@ -525,6 +524,11 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if let Some(v) = ctx.orca(orca_fmt.as_ref(), false) {
         r.headers_mut().insert(ORCA_HEADER, v);
     }
+    if cfg.engine_timing {
+        if let Ok(v) = HeaderValue::from_str(&timing_value(&timing)) {
+            r.headers_mut().insert(TIMING_HEADER, v);
+        }
+    }
     r
 }
 
@@ -546,10 +550,10 @@ fn usage_json(u: &Usage, details: bool, stream: bool) -> serde_json::Value {
     v
 }
 
-async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<Usage> {
+async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<(Usage, Timing)> {
     while let Some(e) = rx.recv().await {
-        if let Event::Done(u) = e {
-            return Some(u);
+        if let Event::Done(u, t) = e {
+            return Some((u, t));
         }
     }
     None
@@ -564,7 +568,7 @@ async fn prefill_handoff(
     path: String,
     decode: String,
     orca_fmt: Option<HeaderValue>,
-    arrival: Instant,
+    arrival: Arrival,
 ) -> Response<RespBody> {
     let shared = &ctx.shared;
     let name = shared.name.as_str();
@@ -578,7 +582,7 @@ async fn prefill_handoff(
         },
         arrival,
     );
-    let Some(usage) = wait_done(rx).await else {
+    let Some((usage, _)) = wait_done(rx).await else {
         let e = ApiError::other(
             500,
             "InternalServerError",
@@ -649,6 +653,7 @@ struct SseBody {
     max_tokens: usize,
     include_usage: bool,
     details: bool,
+    timing: bool,
     finished: bool,
 }
 
@@ -657,11 +662,10 @@ impl SseBody {
         rx: mpsc::UnboundedReceiver<Event>,
         id: &str,
         model: &str,
-        kind: Kind,
-        max_tokens: usize,
-        include_usage: bool,
-        details: bool,
+        p: &Parsed,
+        cfg: &Config,
     ) -> Self {
+        let kind = p.kind;
         let object = if kind == Kind::Chat {
             "chat.completion.chunk"
         } else {
@@ -677,9 +681,10 @@ impl SseBody {
             rx,
             head,
             kind,
-            max_tokens,
-            include_usage,
-            details,
+            max_tokens: p.max_tokens,
+            include_usage: p.include_usage,
+            details: cfg.enable_prompt_tokens_details,
+            timing: cfg.engine_timing,
             finished: false,
         }
     }
@@ -687,9 +692,9 @@ impl SseBody {
     fn render(&mut self, e: Event) -> String {
         match e {
             Event::Token(i) => self.token_chunk(i),
-            Event::Done(u) => {
+            Event::Done(u, t) => {
                 self.finished = true;
-                self.final_chunk(&u)
+                self.final_chunk(&u, &t)
             }
         }
     }
@@ -726,7 +731,7 @@ impl SseBody {
         s
     }
 
-    fn final_chunk(&self, u: &Usage) -> String {
+    fn final_chunk(&self, u: &Usage, t: &Timing) -> String {
         let mut s = String::new();
         if self.include_usage {
             s.push_str("data: ");
@@ -734,6 +739,14 @@ impl SseBody {
             s.push_str("],\"usage\":");
             s.push_str(&usage_json(u, self.details, true).to_string());
             s.push_str("}\n\n");
+        }
+        if self.timing {
+            // An SSE comment: clients skip it (vLLM's keep-alives are comments too).
+            s.push_str(": ");
+            s.push_str(TIMING_HEADER);
+            s.push(' ');
+            s.push_str(&timing_value(t));
+            s.push_str("\n\n");
         }
         s.push_str("data: [DONE]\n\n");
         s

@@ -818,3 +818,59 @@ async fn tokenize_and_render_give_the_ids_the_engine_caches() {
     let m = get(w.addr, "/metrics").await.body;
     assert_eq!(metric(&m, "vllm:request_success_total"), 3.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_timing_is_the_model_even_when_the_engine_thread_stalls() {
+    use mock_worker::engine::pass_ms;
+    let w = worker("--speedup 1").await;
+    let body = json!({"prompt": (1..=100).collect::<Vec<u32>>(), "max_tokens": 10}).to_string();
+    // 100 prompt tokens in 7 blocks of 16 (of 26,624), then 9 decode passes on those blocks.
+    let p = 7.0 / 26_624.0;
+    let ttft = pass_ms(100, 0.0, false, p) / 1000.0;
+    let e2e = ttft + 9.0 * pass_ms(0, 0.0, true, p) / 1000.0;
+    let addr = w.addr;
+    let req = tokio::spawn(async move { post(addr, "/v1/completions", &body, &[]).await });
+    // Stall the engine from 25 to 125 ms, past the request's modelled end (~70 ms), as a
+    // starved CPU would. (A shorter stall is absorbed: the passes after it run back to back
+    // until the schedule is met.)
+    tokio::time::sleep(Duration::from_millis(25)).await;
+    {
+        let _held = w.shared.state.lock().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = req.await.unwrap();
+    let (t, e) = engine_timing(&r).expect("timing header");
+    assert!((t - ttft).abs() < 1e-5, "engine ttft {t} vs model {ttft}");
+    assert!((e - e2e).abs() < 1e-5, "engine e2e {e} vs model {e2e}");
+    // The client saw the stall; the engine's schedule did not stretch.
+    assert!(
+        r.first_frame.as_secs_f64() > e2e + 0.03,
+        "{:?}",
+        r.first_frame
+    );
+    // Streams carry the same report as an SSE comment before [DONE].
+    let s = post(
+        w.addr,
+        "/v1/completions",
+        &stream_body("hello there", 3),
+        &[],
+    )
+    .await;
+    assert!(
+        s.body.contains("\n\n: x-mock-engine-timing ttft="),
+        "{}",
+        s.body
+    );
+    assert!(s.body.ends_with("data: [DONE]\n\n"));
+    let (st, se) = engine_timing(&s).unwrap();
+    assert!(st > 0.0 && se > st);
+    let plain = worker("--no-engine-timing").await;
+    let r = post(
+        plain.addr,
+        "/v1/completions",
+        r#"{"prompt":"a","max_tokens":1}"#,
+        &[],
+    )
+    .await;
+    assert!(engine_timing(&r).is_none());
+}
