@@ -874,3 +874,24 @@ async fn engine_timing_is_the_model_even_when_the_engine_thread_stalls() {
     .await;
     assert!(engine_timing(&r).is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemptions_under_kv_pressure_show_in_metrics() {
+    // 16 blocks of 16 tokens; three requests each grow to 40 + 100 tokens (9 blocks).
+    let w = worker("--speedup 100 --kv-blocks 16 --block-size 16").await;
+    let mut tasks = vec![];
+    for i in 0..3u32 {
+        let addr = w.addr;
+        let body =
+            json!({"prompt": (i * 1000..i * 1000 + 40).collect::<Vec<u32>>(), "max_tokens": 100});
+        tasks.push(tokio::spawn(async move {
+            post(addr, "/v1/completions", &body.to_string(), &[]).await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().json()["usage"]["completion_tokens"], 100);
+    }
+    let m = get(w.addr, "/metrics").await.body;
+    assert!(metric(&m, "vllm:num_preemptions_total") >= 1.0, "{m}");
+    assert!(m.contains("# TYPE vllm:num_preemptions_total counter"));
+}
