@@ -285,6 +285,12 @@ impl EngineState {
 
     /// First half of a pass. Returns `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Pass> {
+        self.schedule_at(None)
+    }
+
+    /// `schedule` for a pass starting at `start`: requests that arrived after it wait for
+    /// the next pass, as they would on an engine that received them on arrival.
+    pub fn schedule_at(&mut self, start: Option<Instant>) -> Option<Pass> {
         let bs = self.block_size;
         let mut budget = self.max_batched_tokens;
         let mut preempted = 0;
@@ -316,6 +322,9 @@ impl EngineState {
         // Then admit waiting requests FCFS, unless this pass already had to preempt.
         while preempted == 0 && budget > 0 && self.running.len() < self.max_num_seqs {
             let Some(s) = self.waiting.front() else { break };
+            if start.is_some_and(|t| s.arrival > t) {
+                break;
+            }
             if s.tx.is_closed() {
                 self.waiting.pop_front();
                 continue;
@@ -441,6 +450,16 @@ impl EngineState {
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
+
+    /// When the next pass can start, given the end of the last one: at once if requests are
+    /// running, else when the first queued request arrived (stamped on receipt, however long
+    /// reading and parsing it took). `None` when there is nothing to do.
+    pub fn next_start(&self, clock: Instant) -> Option<Instant> {
+        if !self.running.is_empty() {
+            return Some(clock);
+        }
+        self.first_arrival().map(|a| a.max(clock))
+    }
 }
 
 /// Everything the HTTP side shares with the engine loop.
@@ -551,23 +570,11 @@ pub async fn run(shared: Arc<Shared>) {
     let speedup = shared.cfg.speedup;
     // End of the last pass on the schedule (the engine's simulated clock).
     let mut clock = Instant::now();
-    let mut idle = true;
     loop {
-        let first = {
-            let st = shared.state.lock().unwrap();
-            st.has_work().then(|| st.first_arrival())
-        };
-        let Some(first) = first else {
-            idle = true;
+        let next = shared.state.lock().unwrap().next_start(clock);
+        let Some(mut start) = next else {
             shared.wake.notified().await;
             continue;
-        };
-        // An idle engine starts as the first request arrives (stamped on receipt), however
-        // long reading and parsing it took; a busy one when its last pass ended.
-        let mut start = if idle {
-            first.map_or(clock, |a| a.max(clock))
-        } else {
-            clock
         };
         let now = Instant::now();
         let mut lag = Duration::ZERO;
@@ -576,13 +583,12 @@ pub async fn run(shared: Arc<Shared>) {
             start = now;
         }
         shared.await_arrivals_before(start).await;
-        let pass = shared.state.lock().unwrap().schedule();
+        let pass = shared.state.lock().unwrap().schedule_at(Some(start));
         let Some(pass) = pass else {
-            idle = true;
+            // Nothing could run (the queue cannot be admitted): wait for a change.
             shared.wake.notified().await;
             continue;
         };
-        idle = false;
         let dur = Duration::from_secs_f64(pass.ms() / 1000.0 / speedup);
         let end = start + dur;
         clock = end;
@@ -833,18 +839,40 @@ mod tests {
         shared.await_arrivals_before(start).await;
         let waited = start.elapsed();
         assert!(waited >= Duration::from_millis(14), "{waited:?}");
-        assert!(waited < MAX_PARSE_WAIT, "{waited:?}");
-        assert_eq!(
-            shared.load().waiting,
-            1,
-            "queued by the time the pass goes on"
-        );
         let _rx = submitter.await.unwrap();
+        assert_eq!(shared.load().waiting, 1);
         // A request that arrives after the pass start does not hold it.
-        let _late = shared.arrive();
+        let late = shared.arrive();
         let t = Instant::now();
         shared.await_arrivals_before(start).await;
         assert!(t.elapsed() < Duration::from_millis(5));
+        // One that never gets submitted holds a pass only so long.
+        let t = Instant::now();
+        shared.await_arrivals_before(Instant::now()).await;
+        assert!(t.elapsed() >= MAX_PARSE_WAIT);
+        drop(late);
+    }
+
+    #[test]
+    fn a_pass_admits_only_requests_that_arrived_before_it_started() {
+        let t0 = Instant::now();
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        assert_eq!(st.next_start(t0), None);
+        let _a = st.submit(req(1, 8, 4), t0 + Duration::from_millis(2));
+        let _b = st.submit(req(2, 8, 4), t0 + Duration::from_millis(7));
+        // Idle: the pass starts when A arrived, even if the engine learns of it later.
+        let start = st.next_start(t0).unwrap();
+        assert_eq!(start, t0 + Duration::from_millis(2));
+        let p = st.schedule_at(Some(start)).unwrap();
+        assert_eq!(p.prefill_tokens, 8, "B arrived after the pass began");
+        st.commit(start + Duration::from_millis(3));
+        // Busy: the next pass starts when this one ended.
+        let clock = start + Duration::from_millis(3);
+        assert_eq!(st.next_start(clock), Some(clock));
+        assert_eq!(st.schedule_at(Some(clock)).unwrap().prefill_tokens, 0);
+        let end = start + Duration::from_millis(10);
+        st.commit(end);
+        assert_eq!(st.schedule_at(Some(end)).unwrap().prefill_tokens, 8);
     }
 
     #[test]

@@ -21,8 +21,7 @@ fn last_usage(r: &Resp) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_prompt_hits_cache_and_lowers_ttft() {
-    // About 7000 tokens: a cold prefill pass models ~150 ms, a cached one ~17 ms; at speedup 4
-    // the gap (~33 ms) dwarfs parsing and tokenizing time, which both requests pay.
+    // About 7000 tokens: a cold prefill pass models ~150 ms, a cached one ~17 ms.
     let w = worker("--speedup 4 --enable-prompt-tokens-details").await;
     let prompt = text(1, 6000);
     let a = post(w.addr, "/v1/completions", &stream_body(&prompt, 4), &[]).await;
@@ -36,11 +35,12 @@ async fn repeated_prompt_hits_cache_and_lowers_ttft() {
         .as_u64()
         .unwrap();
     assert!(cached > 0 && cached >= n - 16, "cached {cached} of {n}");
+    // The engine's own TTFT (immune to this machine's load): the cold prefill models ~150 ms
+    // at speedup 4 ~ 38 ms, the cached one (the last few tokens) ~17 ms / 4.
+    let (ta, tb) = (engine_timing(&a).unwrap().0, engine_timing(&b).unwrap().0);
     assert!(
-        b.first_frame + Duration::from_millis(20) < a.first_frame,
-        "cached TTFT {:?} should be well below cold TTFT {:?}",
-        b.first_frame,
-        a.first_frame
+        tb + 0.02 < ta,
+        "cached TTFT {tb} should be well below cold TTFT {ta}"
     );
     assert_eq!(a.header("x-worker-id"), Some(w.name.as_str()));
 }
