@@ -2,8 +2,10 @@
 //! driven by one loop task whose passes last as long as Dynamo's mocker model says.
 //!
 //! Each pass is split in two halves around the sleep: `schedule` decides what runs (and
-//! allocates KV), `commit` applies the results (computed tokens, new output tokens). Blocks
-//! become visible to prefix lookups only in `commit`, once they are computed.
+//! allocates KV), `commit` applies the results (computed tokens, new output tokens). As in
+//! vLLM, full blocks are registered in the prefix cache when they are allocated for the
+//! tokens scheduled (so a later request scheduled in the same pass already hits them);
+//! `--cache-at-pass-end` registers them in `commit` instead (the mock's old behaviour).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,11 +41,20 @@ fn output_token(i: usize) -> u32 {
     })[i % WORDS.len()]
 }
 
+/// Prefill attention against context already in the KV cache, ms per (new token x context
+/// token). Dynamo's prefill model `4.21e-7 t^2 + 0.01518 t + 16.5` is fitted on cold prompts,
+/// where its quadratic term is attention: token i attends to i earlier tokens, so the work is
+/// about t^2 / 2 token pairs and one pair costs 2 x 4.21e-7 ms. A chunk of t new tokens on
+/// top of c tokens already in context adds t x c pairs.
+pub const CONTEXT_ATTENTION_MS: f64 = 2.0 * 4.21e-7;
+
 /// Dynamo mocker: milliseconds of one pass with `t` new prefill tokens at KV usage `p`.
-pub fn pass_ms(t: usize, decoding: bool, p: f64) -> f64 {
+/// `context_pairs` is the sum over prefilling requests of new tokens x tokens already in
+/// their context (0 with `--no-context-attention`).
+pub fn pass_ms(t: usize, context_pairs: f64, decoding: bool, p: f64) -> f64 {
     let prefill = if t > 0 {
         let t = t as f64;
-        4.21e-7 * t * t + 0.01518 * t + 16.5
+        4.21e-7 * t * t + 0.01518 * t + 16.5 + CONTEXT_ATTENTION_MS * context_pairs
     } else {
         0.0
     };
@@ -62,11 +73,21 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
+/// When a request's work happened on the engine's own schedule (simulated time in wall-clock
+/// units: what a client would see if the process always kept up).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Arrival to the end of the pass that produced the first output token, seconds.
+    pub ttft: f64,
+    /// Arrival to the end of the pass that produced the last output token, seconds.
+    pub e2e: f64,
+}
+
 #[derive(Debug)]
 pub enum Event {
     /// Output token number `i` (0-based) was produced.
     Token(usize),
-    Done(Usage),
+    Done(Usage, Timing),
 }
 
 pub struct NewRequest {
@@ -96,6 +117,8 @@ struct Seq {
     transferred: usize,
     cached_tokens: Option<usize>,
     arrival: Instant,
+    /// Scheduled end of the pass that produced the first output token.
+    first_token: Option<Instant>,
     tx: mpsc::UnboundedSender<Event>,
 }
 
@@ -125,6 +148,7 @@ impl Seq {
             transferred: req.transferred,
             cached_tokens: None,
             arrival,
+            first_token: None,
             tx,
         };
         (seq, rx)
@@ -135,6 +159,8 @@ impl Seq {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pass {
     pub prefill_tokens: usize,
+    /// Sum over prefilling requests of tokens scheduled x tokens already in their context.
+    pub context_pairs: f64,
     pub decode_seqs: usize,
     pub usage: f64,
     pub preempted: usize,
@@ -142,7 +168,12 @@ pub struct Pass {
 
 impl Pass {
     pub fn ms(&self) -> f64 {
-        pass_ms(self.prefill_tokens, self.decode_seqs > 0, self.usage)
+        pass_ms(
+            self.prefill_tokens,
+            self.context_pairs,
+            self.decode_seqs > 0,
+            self.usage,
+        )
     }
 }
 
@@ -153,6 +184,8 @@ pub struct EngineState {
     block_size: usize,
     max_batched_tokens: usize,
     max_num_seqs: usize,
+    context_attention: bool,
+    cache_at_schedule: bool,
     pub metrics: Metrics,
 }
 
@@ -172,6 +205,8 @@ impl EngineState {
             block_size: cfg.block_size,
             max_batched_tokens: cfg.max_batched_tokens,
             max_num_seqs: cfg.max_num_seqs,
+            context_attention: cfg.context_attention,
+            cache_at_schedule: !cfg.cache_at_pass_end,
             metrics: Metrics::default(),
         }
     }
@@ -203,13 +238,41 @@ impl EngineState {
 
     pub fn submit(&mut self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
         let (seq, rx) = Seq::new(req, self.block_size, arrival);
-        self.waiting.push_back(seq);
+        self.enqueue(seq);
         rx
+    }
+
+    /// Queues in arrival order: a request whose parsing took longer than a later one's still
+    /// goes first, as it would had the engine received it on arrival.
+    fn enqueue(&mut self, seq: Seq) {
+        let at = self
+            .waiting
+            .iter()
+            .rposition(|w| w.arrival <= seq.arrival)
+            .map_or(0, |i| i + 1);
+        self.waiting.insert(at, seq);
+    }
+
+    /// Arrival of the earliest queued request.
+    pub fn first_arrival(&self) -> Option<Instant> {
+        self.waiting.iter().map(|s| s.arrival).min()
     }
 
     /// Prefix-cache probe over precomputed block hashes; see `hit_blocks`.
     pub fn probe_hashes(&self, hashes: &[u64], len: usize) -> usize {
         self.hit_blocks(hashes, len) * self.block_size
+    }
+
+    /// Registers the full blocks of the first `upto` tokens not registered yet.
+    fn register_full(cache: &mut KvCache, s: &mut Seq, upto: usize, bs: usize) {
+        let full = upto / bs;
+        if full > s.registered {
+            kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
+            for j in s.registered..full {
+                cache.register(s.blocks[j], s.hashes[j]);
+            }
+            s.registered = full;
+        }
     }
 
     fn preempt(cache: &mut KvCache, mut s: Seq) -> Seq {
@@ -222,6 +285,12 @@ impl EngineState {
 
     /// First half of a pass. Returns `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Pass> {
+        self.schedule_at(None)
+    }
+
+    /// `schedule` for a pass starting at `start`: requests that arrived after it wait for
+    /// the next pass, as they would on an engine that received them on arrival.
+    pub fn schedule_at(&mut self, start: Option<Instant>) -> Option<Pass> {
         let bs = self.block_size;
         let mut budget = self.max_batched_tokens;
         let mut preempted = 0;
@@ -235,7 +304,11 @@ impl EngineState {
             let n = (s.tokens.len() - s.computed).min(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
             if cache.allocate(need, &mut self.running[i].blocks) {
-                self.running[i].scheduled = n;
+                let s = &mut self.running[i];
+                s.scheduled = n;
+                if self.cache_at_schedule {
+                    Self::register_full(cache, s, s.computed + n, bs);
+                }
                 budget -= n;
                 i += 1;
                 continue;
@@ -249,6 +322,9 @@ impl EngineState {
         // Then admit waiting requests FCFS, unless this pass already had to preempt.
         while preempted == 0 && budget > 0 && self.running.len() < self.max_num_seqs {
             let Some(s) = self.waiting.front() else { break };
+            if start.is_some_and(|t| s.arrival > t) {
+                break;
+            }
             if s.tx.is_closed() {
                 self.waiting.pop_front();
                 continue;
@@ -280,6 +356,9 @@ impl EngineState {
             s.computed = computed;
             s.scheduled = n;
             s.prefill_target = len;
+            if self.cache_at_schedule {
+                Self::register_full(cache, &mut s, computed + n, bs);
+            }
             if first {
                 s.cached_tokens = Some(computed);
                 self.metrics.prefix_cache_queries += s.prompt_len as u64;
@@ -292,6 +371,7 @@ impl EngineState {
 
         let mut pass = Pass {
             prefill_tokens: 0,
+            context_pairs: 0.0,
             decode_seqs: 0,
             usage: self.cache.usage(),
             preempted,
@@ -302,6 +382,9 @@ impl EngineState {
             }
             if s.computed < s.prefill_target {
                 pass.prefill_tokens += s.scheduled;
+                if self.context_attention {
+                    pass.context_pairs += s.scheduled as f64 * s.computed as f64;
+                }
             } else {
                 pass.decode_seqs += 1;
             }
@@ -309,7 +392,8 @@ impl EngineState {
         (pass.prefill_tokens > 0 || pass.decode_seqs > 0).then_some(pass)
     }
 
-    /// Second half of a pass: the scheduled tokens are computed now.
+    /// Second half of a pass: the scheduled tokens are computed at `now`, the pass's end on
+    /// the engine's schedule.
     pub fn commit(&mut self, now: Instant) {
         let bs = self.block_size;
         let cache = &mut self.cache;
@@ -320,14 +404,7 @@ impl EngineState {
             }
             s.computed += s.scheduled;
             s.scheduled = 0;
-            let full = s.computed / bs;
-            if full > s.registered {
-                kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
-                for j in s.registered..full {
-                    cache.register(s.blocks[j], s.hashes[j]);
-                }
-                s.registered = full;
-            }
+            Self::register_full(cache, s, s.computed, bs);
             if s.computed < s.tokens.len() {
                 return true; // chunked prefill continues next pass
             }
@@ -336,18 +413,28 @@ impl EngineState {
             s.tokens.push(output_token(idx));
             m.generation_tokens += 1;
             if idx == 0 {
-                m.ttft.observe(now.duration_since(s.arrival).as_secs_f64());
+                s.first_token = Some(now);
+                m.ttft
+                    .observe(now.saturating_duration_since(s.arrival).as_secs_f64());
             }
             let alive = s.tx.send(Event::Token(idx)).is_ok();
             let done = s.generated >= s.max_tokens;
             if done {
                 m.request_success += 1;
                 m.prompt_tokens += s.prompt_len as u64;
-                let _ = s.tx.send(Event::Done(Usage {
-                    prompt_tokens: s.prompt_len,
-                    completion_tokens: s.generated,
-                    cached_tokens: s.cached_tokens.unwrap_or(0),
-                }));
+                let since = |t: Instant| t.saturating_duration_since(s.arrival).as_secs_f64();
+                let timing = Timing {
+                    ttft: since(s.first_token.unwrap_or(now)),
+                    e2e: since(now),
+                };
+                let _ = s.tx.send(Event::Done(
+                    Usage {
+                        prompt_tokens: s.prompt_len,
+                        completion_tokens: s.generated,
+                        cached_tokens: s.cached_tokens.unwrap_or(0),
+                    },
+                    timing,
+                ));
             }
             if done || !alive {
                 if !done {
@@ -363,6 +450,16 @@ impl EngineState {
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
+
+    /// When the next pass can start, given the end of the last one: at once if requests are
+    /// running, else when the first queued request arrived (stamped on receipt, however long
+    /// reading and parsing it took). `None` when there is nothing to do.
+    pub fn next_start(&self, clock: Instant) -> Option<Instant> {
+        if !self.running.is_empty() {
+            return Some(clock);
+        }
+        self.first_arrival().map(|a| a.max(clock))
+    }
 }
 
 /// Everything the HTTP side shares with the engine loop.
@@ -371,6 +468,30 @@ pub struct Shared {
     pub name: String,
     pub state: Mutex<EngineState>,
     pub wake: Notify,
+    /// Requests received (arrival stamped) but not yet submitted: still reading or parsing.
+    pending: Mutex<Vec<(u64, Instant)>>,
+    pending_changed: Notify,
+    next_arrival: std::sync::atomic::AtomicU64,
+}
+
+/// A request between its arrival and its submission to the engine. The engine holds back a
+/// pass while a request that arrived before the pass's start is still being parsed, so
+/// parsing and tokenizing time (which a loaded process stretches) does not reorder admission.
+pub struct Arrival {
+    shared: Arc<Shared>,
+    id: u64,
+    pub at: Instant,
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        self.shared
+            .pending
+            .lock()
+            .unwrap()
+            .retain(|&(id, _)| id != self.id);
+        self.shared.pending_changed.notify_waiters();
+    }
 }
 
 impl Shared {
@@ -380,12 +501,32 @@ impl Shared {
             cfg,
             name,
             wake: Notify::new(),
+            pending: Mutex::new(Vec::new()),
+            pending_changed: Notify::new(),
+            next_arrival: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
-    pub fn submit(&self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
-        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival);
-        self.state.lock().unwrap().waiting.push_back(seq);
+    /// Stamps a request's arrival; call on receipt, before reading the body.
+    pub fn arrive(self: &Arc<Self>) -> Arrival {
+        let id = self
+            .next_arrival
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let at = Instant::now();
+        self.pending.lock().unwrap().push((id, at));
+        Arrival {
+            shared: self.clone(),
+            id,
+            at,
+        }
+    }
+
+    pub fn submit(&self, req: NewRequest, arrival: Arrival) -> mpsc::UnboundedReceiver<Event> {
+        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival.at);
+        self.state.lock().unwrap().enqueue(seq);
+        // Queued before the arrival leaves the pending list, so the engine sees it in one or
+        // the other.
+        drop(arrival);
         self.wake.notify_one();
         rx
     }
@@ -393,53 +534,75 @@ impl Shared {
     pub fn load(&self) -> Load {
         self.state.lock().unwrap().load()
     }
+
+    /// Waits (boundedly) until no request that arrived before `start` is still being parsed.
+    async fn await_arrivals_before(&self, start: Instant) {
+        let give_up = Instant::now() + MAX_PARSE_WAIT;
+        loop {
+            let changed = self.pending_changed.notified();
+            let blocking = self
+                .pending
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|&(_, at)| at < start);
+            let now = Instant::now();
+            if !blocking || now >= give_up {
+                return;
+            }
+            let _ = tokio::time::timeout(give_up - now, changed).await;
+        }
+    }
 }
 
-/// How far the loop may fall behind its schedule before it stops catching up. Timer
-/// granularity (~1 ms) makes short passes overshoot; accumulating deadlines keeps the average
-/// pass rate exact, and the cap turns a real stall into visible lag instead of a burst of
-/// zero-length passes.
-const MAX_CATCH_UP: Duration = Duration::from_millis(20);
+/// How long a pass waits for requests that arrived before it but are still being parsed.
+const MAX_PARSE_WAIT: Duration = Duration::from_millis(50);
+
+/// How far the loop may fall behind its schedule before it gives up catching up. Passes run
+/// on an absolute schedule: each starts when the previous one was due to end, not when the
+/// thread happened to wake, so a late wake-up (timer granularity, CPU taken by the router or
+/// other processes) delays delivery but not the simulated times, and later passes run back to
+/// back until the schedule is met. Only a stall longer than this (a stopped process) resets
+/// the schedule to now; the difference is counted in `mock:engine_lag_seconds_total`.
+const MAX_CATCH_UP: Duration = Duration::from_secs(1);
 
 pub async fn run(shared: Arc<Shared>) {
     let speedup = shared.cfg.speedup;
-    let mut deadline = Instant::now();
-    let mut idle = true;
+    // End of the last pass on the schedule (the engine's simulated clock).
+    let mut clock = Instant::now();
     loop {
-        let pass = {
-            let mut st = shared.state.lock().unwrap();
-            let p = st.schedule();
-            if p.is_none() {
-                idle = true;
-            }
-            p
-        };
-        let Some(pass) = pass else {
+        let next = shared.state.lock().unwrap().next_start(clock);
+        let Some(mut start) = next else {
             shared.wake.notified().await;
             continue;
         };
         let now = Instant::now();
-        if idle {
-            deadline = now;
-            idle = false;
+        let mut lag = Duration::ZERO;
+        if now.saturating_duration_since(start) > MAX_CATCH_UP {
+            lag = now - start;
+            start = now;
         }
+        shared.await_arrivals_before(start).await;
+        let pass = shared.state.lock().unwrap().schedule_at(Some(start));
+        let Some(pass) = pass else {
+            // Nothing could run (the queue cannot be admitted): wait for a change.
+            shared.wake.notified().await;
+            continue;
+        };
         let dur = Duration::from_secs_f64(pass.ms() / 1000.0 / speedup);
-        deadline += dur;
-        let late = now.saturating_duration_since(deadline);
-        if late > MAX_CATCH_UP {
-            deadline = now;
-        }
-        if deadline > now {
-            tokio::time::sleep_until(deadline.into()).await;
+        let end = start + dur;
+        clock = end;
+        if end > Instant::now() {
+            tokio::time::sleep_until(end.into()).await;
         } else {
             tokio::task::yield_now().await;
         }
-        let end = Instant::now();
+        lag += Instant::now().saturating_duration_since(end);
         let mut st = shared.state.lock().unwrap();
         st.commit(end);
         st.metrics.passes += 1;
         st.metrics.simulated_seconds += dur.as_secs_f64();
-        st.metrics.lag_seconds += late.as_secs_f64();
+        st.metrics.lag_seconds += lag.as_secs_f64();
     }
 }
 
@@ -485,7 +648,7 @@ mod tests {
                     assert_eq!(i, tokens);
                     tokens += 1;
                 }
-                Event::Done(u) => {
+                Event::Done(u, _) => {
                     assert_eq!(u.completion_tokens, tokens);
                     return u;
                 }
@@ -496,10 +659,10 @@ mod tests {
 
     #[test]
     fn timing_model_matches_dynamo() {
-        assert_eq!(pass_ms(0, false, 0.0), 0.0);
-        assert!((pass_ms(1000, false, 0.0) - (0.421 + 15.18 + 16.5)).abs() < 1e-9);
-        assert!((pass_ms(0, true, 0.0) - 5.74).abs() < 1e-9);
-        assert!((pass_ms(0, true, 0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
+        assert_eq!(pass_ms(0, 0.0, false, 0.0), 0.0);
+        assert!((pass_ms(1000, 0.0, false, 0.0) - (0.421 + 15.18 + 16.5)).abs() < 1e-9);
+        assert!((pass_ms(0, 0.0, true, 0.0) - 5.74).abs() < 1e-9);
+        assert!((pass_ms(0, 0.0, true, 0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
     }
 
     #[test]
@@ -564,6 +727,152 @@ mod tests {
             ),
             (100, 48)
         );
+    }
+
+    #[test]
+    fn same_prefix_scheduled_in_the_same_pass_already_hits() {
+        // vLLM caches full blocks when it allocates them: B, admitted right after A in the
+        // same pass, finds A's 12 full blocks and prefills only the last 2 tokens.
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        let mut a = st.submit(req(1, 50, 2), Instant::now());
+        let mut b = st.submit(req(1, 50, 2), Instant::now());
+        let p = st.schedule().unwrap();
+        assert_eq!(p.prefill_tokens, 50 + 2);
+        drain(&mut st);
+        assert_eq!(done(&mut a).cached_tokens, 0);
+        assert_eq!(done(&mut b).cached_tokens, 48);
+        // The old behaviour: blocks become hits only when their pass ends.
+        let mut st = EngineState::new(&Config {
+            cache_at_pass_end: true,
+            ..cfg(1000, 1000, 8)
+        });
+        let _a = st.submit(req(1, 50, 2), Instant::now());
+        let mut b = st.submit(req(1, 50, 2), Instant::now());
+        assert_eq!(st.schedule().unwrap().prefill_tokens, 100);
+        st.commit(Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut b).cached_tokens, 0);
+    }
+
+    #[test]
+    fn chunked_prefill_blocks_hit_before_the_request_finishes() {
+        // A's first 64-token chunk is registered when scheduled, so B (same prompt) admitted
+        // in the next pass skips it while A is still prefilling.
+        let mut st = EngineState::new(&cfg(1000, 64, 8));
+        let _a = st.submit(req(1, 200, 2), Instant::now());
+        st.schedule();
+        st.commit(Instant::now());
+        let mut b = st.submit(req(1, 200, 2), Instant::now());
+        drain(&mut st);
+        assert!(
+            done(&mut b).cached_tokens >= 128,
+            "B hit A's scheduled chunks"
+        );
+    }
+
+    #[test]
+    fn prefill_after_a_long_hit_pays_attention_to_the_context() {
+        // A 2k suffix after a 30k hit costs about twice a cold 2k prompt (Dynamo's quadratic
+        // term read as attention: 2 x 4.21e-7 ms per new token x context token).
+        let cold = pass_ms(2000, 0.0, false, 0.0);
+        let warm = pass_ms(2000, 2000.0 * 30_000.0, false, 0.0);
+        assert!((cold - 48.544).abs() < 1e-9, "{cold}");
+        assert!((warm - cold - 50.52).abs() < 1e-9, "{warm}");
+        let run = |attention: bool| {
+            let mut st = EngineState::new(&Config {
+                context_attention: attention,
+                ..cfg(20_000, 40_000, 8)
+            });
+            let _a = st.submit(req(1, 30_000, 1), Instant::now());
+            drain(&mut st);
+            let mut long = req(1, 32_000, 1);
+            long.tokens[30_000..]
+                .iter_mut()
+                .for_each(|t| *t += 7_000_000);
+            let _b = st.submit(long, Instant::now());
+            st.schedule().unwrap()
+        };
+        let p = run(true);
+        // All 30,000 tokens (7,500 full blocks of 4) hit; the other 2,000 are prefilled.
+        assert_eq!(p.prefill_tokens, 2000);
+        assert_eq!(p.context_pairs, 2000.0 * 30_000.0);
+        assert_eq!(p.ms(), warm);
+        assert!(p.ms() > 1.9 * cold, "{}", p.ms());
+        let flat = run(false);
+        assert_eq!(flat.context_pairs, 0.0);
+        assert_eq!(flat.ms(), cold);
+        // Chunked prefill of a cold prompt pays for the earlier chunks too.
+        let mut st = EngineState::new(&cfg(1000, 64, 8));
+        let _c = st.submit(req(3, 192, 1), Instant::now());
+        let pairs: Vec<f64> = drain(&mut st).iter().map(|p| p.context_pairs).collect();
+        assert_eq!(pairs, vec![0.0, 64.0 * 64.0, 64.0 * 128.0]);
+    }
+
+    #[test]
+    fn requests_queue_in_arrival_order_whatever_their_parse_time() {
+        let t0 = Instant::now();
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        // B arrived first but its (longer) parse finished after A's and C's.
+        let _a = st.submit(req(1, 8, 1), t0 + Duration::from_millis(5));
+        let _c = st.submit(req(3, 8, 1), t0 + Duration::from_millis(9));
+        let _b = st.submit(req(2, 8, 1), t0);
+        let order: Vec<u32> = st.waiting.iter().map(|s| s.tokens[0] / 100_000).collect();
+        assert_eq!(order, vec![2, 1, 3]);
+        assert_eq!(st.first_arrival(), Some(t0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pass_waits_for_requests_that_arrived_before_it_but_are_still_parsing() {
+        let shared = Shared::new(cfg(1000, 1000, 8), "t".into());
+        // Nothing pending: no wait.
+        let t = Instant::now();
+        shared.await_arrivals_before(Instant::now()).await;
+        assert!(t.elapsed() < Duration::from_millis(5));
+        // A request stamped before the pass start and submitted 15 ms later holds the pass.
+        let arrival = shared.arrive();
+        let start = Instant::now();
+        let s2 = shared.clone();
+        let submitter = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            s2.submit(req(1, 8, 1), arrival)
+        });
+        shared.await_arrivals_before(start).await;
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(14), "{waited:?}");
+        let _rx = submitter.await.unwrap();
+        assert_eq!(shared.load().waiting, 1);
+        // A request that arrives after the pass start does not hold it.
+        let late = shared.arrive();
+        let t = Instant::now();
+        shared.await_arrivals_before(start).await;
+        assert!(t.elapsed() < Duration::from_millis(5));
+        // One that never gets submitted holds a pass only so long.
+        let t = Instant::now();
+        shared.await_arrivals_before(Instant::now()).await;
+        assert!(t.elapsed() >= MAX_PARSE_WAIT);
+        drop(late);
+    }
+
+    #[test]
+    fn a_pass_admits_only_requests_that_arrived_before_it_started() {
+        let t0 = Instant::now();
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        assert_eq!(st.next_start(t0), None);
+        let _a = st.submit(req(1, 8, 4), t0 + Duration::from_millis(2));
+        let _b = st.submit(req(2, 8, 4), t0 + Duration::from_millis(7));
+        // Idle: the pass starts when A arrived, even if the engine learns of it later.
+        let start = st.next_start(t0).unwrap();
+        assert_eq!(start, t0 + Duration::from_millis(2));
+        let p = st.schedule_at(Some(start)).unwrap();
+        assert_eq!(p.prefill_tokens, 8, "B arrived after the pass began");
+        st.commit(start + Duration::from_millis(3));
+        // Busy: the next pass starts when this one ended.
+        let clock = start + Duration::from_millis(3);
+        assert_eq!(st.next_start(clock), Some(clock));
+        assert_eq!(st.schedule_at(Some(clock)).unwrap().prefill_tokens, 0);
+        let end = start + Duration::from_millis(10);
+        st.commit(end);
+        assert_eq!(st.schedule_at(Some(end)).unwrap().prefill_tokens, 8);
     }
 
     #[test]
