@@ -602,6 +602,12 @@ def plot(cfg, res, outdir, rawdir):
     fig.savefig(os.path.join(outdir, "goodput.png"), dpi=110)
     plt.close(fig)
 
+
+def plot_overhead(res, outdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ov = res.get("overhead")
     if ov and ov.get("targets"):
         fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -709,7 +715,9 @@ def main():
         json.dump(res, f, indent=1)
     write_markdown(cfg, res, os.path.join(outdir, "results.md"))
     try:
-        plot(cfg, res, outdir, rawdir)
+        if res["policies"]:
+            plot(cfg, res, outdir, rawdir)
+        plot_overhead(res, outdir)
     except ImportError as e:
         log(f"no plots: {e} (run with build/bench-venv/bin/python)")
     log(f"done in {res['wall_s']:.0f} s: {os.path.relpath(outdir, ROOT)}/results.md")
