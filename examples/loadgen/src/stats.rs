@@ -222,33 +222,6 @@ fn latency_body(model: &str, seed: u64, n: usize, kind: PromptKind, i: usize) ->
     Bytes::from(serde_json::to_vec(&b).unwrap())
 }
 
-#[cfg(test)]
-mod latency_prompt_tests {
-    use super::*;
-
-    fn prompt(kind: PromptKind, i: usize) -> String {
-        let v: Value = serde_json::from_slice(&latency_body("m", 1, 1000, kind, i)).unwrap();
-        v["prompt"].as_str().unwrap().to_string()
-    }
-
-    #[test]
-    fn same_repeats_warm_shares_the_document_cold_is_new_each_time() {
-        assert_eq!(prompt(PromptKind::Same, 0), prompt(PromptKind::Same, 7));
-        let (w0, w1) = (prompt(PromptKind::Warm, 0), prompt(PromptKind::Warm, 1));
-        assert_ne!(w0, w1);
-        let doc = prompt(PromptKind::Same, 0);
-        assert!(w0.starts_with(&doc) && w1.starts_with(&doc));
-        assert_eq!(w1.len() - doc.len(), " question 1".len());
-        let (c0, c1) = (prompt(PromptKind::Cold, 0), prompt(PromptKind::Cold, 1));
-        assert_ne!(c0, c1);
-        // A new prompt from its first word: nothing for a prefix cache to reuse.
-        assert_ne!(c0.split(' ').nth(1), c1.split(' ').nth(1));
-        assert_eq!(prompt(PromptKind::Cold, 3), prompt(PromptKind::Cold, 3));
-        assert_eq!(PromptKind::parse("warm"), Some(PromptKind::Warm));
-        assert_eq!(PromptKind::parse("hot"), None);
-    }
-}
-
 /// `--mode latency`: for each prompt size (and each `--prompts` kind), closed-loop non-streaming requests with
 /// `max_tokens` 1. Several comma-separated `--target`s are measured interleaved (request i goes
 /// to target i mod n), so drift in machine load hits every target alike. `--mode saturate`:
@@ -408,4 +381,31 @@ pub async fn closed_loop(a: &Args) -> i32 {
         println!("{}", serde_json::to_string_pretty(&out).unwrap());
     }
     0
+}
+
+#[cfg(test)]
+mod latency_prompt_tests {
+    use super::*;
+
+    fn prompt(kind: PromptKind, i: usize) -> String {
+        let v: Value = serde_json::from_slice(&latency_body("m", 1, 1000, kind, i)).unwrap();
+        v["prompt"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn same_repeats_warm_shares_the_document_cold_is_new_each_time() {
+        assert_eq!(prompt(PromptKind::Same, 0), prompt(PromptKind::Same, 7));
+        let (w0, w1) = (prompt(PromptKind::Warm, 0), prompt(PromptKind::Warm, 1));
+        assert_ne!(w0, w1);
+        let doc = prompt(PromptKind::Same, 0);
+        assert!(w0.starts_with(&doc) && w1.starts_with(&doc));
+        assert_eq!(w1.len() - doc.len(), " question 1".len());
+        let (c0, c1) = (prompt(PromptKind::Cold, 0), prompt(PromptKind::Cold, 1));
+        assert_ne!(c0, c1);
+        // A new prompt from its first word: nothing for a prefix cache to reuse.
+        assert_ne!(c0.split(' ').nth(1), c1.split(' ').nth(1));
+        assert_eq!(prompt(PromptKind::Cold, 3), prompt(PromptKind::Cold, 3));
+        assert_eq!(PromptKind::parse("warm"), Some(PromptKind::Warm));
+        assert_eq!(PromptKind::parse("hot"), None);
+    }
 }
