@@ -5,7 +5,10 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-ENVOY_VERSION ?= 1.40.0
+# The Envoy release everything is built, tested and shipped against: envoy/VERSION, the one
+# place it is written (scripts read it there when run without make).
+ENVOY_VERSION ?= $(shell cat envoy/VERSION)
+export ENVOY_VERSION
 VENV := .venv
 PY := $(VENV)/bin/python
 ENVOY := $(VENV)/bin/envoy
@@ -56,6 +59,12 @@ $(VENV)/.installed-$(ENVOY_VERSION):
 .PHONY: venv
 venv: $(VENV)/.installed-$(ENVOY_VERSION)
 
+# The Python linter (ruff.toml), pinned, in the same venv.
+RUFF_VERSION := 0.17.5
+$(VENV)/.ruff-$(RUFF_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
+	$(VENV)/bin/pip install -q --disable-pip-version-check ruff==$(RUFF_VERSION)
+	@touch $@
+
 .PHONY: mock-worker
 mock-worker:
 	cargo build --release -p mock-worker
@@ -97,9 +106,10 @@ test-e2e: wasm mock-worker venv
 	$(PY) -m pytest tests/e2e -q
 
 # ---- lint gate: formatting, clippy with the no-panic lints (Cargo.toml [lints.clippy]) on
-# the filter crate's library code, clippy on the rest of the workspace.
+# the filter crate's library code, clippy on the rest of the workspace, ruff on the Python.
 .PHONY: lint
-lint:
+lint: $(VENV)/.ruff-$(RUFF_VERSION)
+	$(VENV)/bin/ruff check scripts bench tests
 	cargo fmt --all --check
 	cargo clippy -p kvroute --lib --all-features -- -D warnings
 	cargo clippy --workspace --all-targets -- -D warnings -A clippy::unwrap_used -A clippy::expect_used -A clippy::panic -A clippy::indexing_slicing

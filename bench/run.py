@@ -17,17 +17,18 @@ Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for 
 import argparse
 import atexit
 import json
-import math
 import os
 import shutil
 import signal
 import socket
-import string
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
@@ -37,7 +38,6 @@ VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
 LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
 WASM = os.path.join(BUILD, "kvroute.wasm")
-TEMPLATES = os.path.join(ROOT, "bench", "envoy")
 MODEL = "mock-model"
 
 # Fleet and workload. The fleet runs the Dynamo mocker timing model; --speedup compresses
@@ -70,6 +70,14 @@ POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-reques
 ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
             "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
 OVERHEAD_SIZES = [1000, 8000, 32000, 128000]
+# warm: one document, a new question each request (the usual chat / RAG case); cold: a new
+# prompt each request (every block is new to kvroute's index). Both with and without kvroute.
+OVERHEAD_PROMPTS = ["warm", "cold"]
+
+
+def overhead_cells():
+    """The latency columns: (key in results.json, prompt kind, prompt tokens)."""
+    return [(f"{kind}{n}", kind, n) for n in OVERHEAD_SIZES for kind in OVERHEAD_PROMPTS]
 
 
 def log(*a):
@@ -181,46 +189,32 @@ def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
         p = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
         ws.append(dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", proc=p))
     for w in ws:
-        wait_until(lambda: (http("GET", w["url"] + "/health")[0] == 200, None), 15,
+        wait_until(lambda w=w: (http("GET", w["url"] + "/health")[0] == 200, None), 15,
                    f"worker {w['name']}", [w["proc"]])
     return ws
 
 
-def fill(template, **kv):
-    with open(os.path.join(TEMPLATES, template)) as f:
-        return string.Template(f.read()).substitute(**kv)
-
-
 def kvroute_config(cfg, ws, extra):
-    c = {"workers": [{"name": w["name"], "cluster": w["name"], "endpoint": f"127.0.0.1:{w['port']}",
-                      "kv_blocks": cfg["kv_blocks"]} for w in ws],
-         "block_size": cfg["block_size"], "debug_headers": True,
-         "disaggregation": {"threshold_tokens": 0}}
-    for k, v in (extra or {}).items():
-        if isinstance(v, dict):
-            c.setdefault(k, {}).update(v)
-        else:
-            c[k] = v
-    return c
+    return envoyconf.bench_plugin(upstreams(cfg, ws), cfg["block_size"], extra)
+
+
+def upstreams(cfg, ws):
+    return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], kv_blocks=cfg["kv_blocks"]) for w in ws]
 
 
 def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
+    """Envoy from scripts/envoyconf.py (bench/envoy/*.yaml show what it writes)."""
     port, admin = free_port(), free_port()
+    conf = None
     if policy.startswith("kvroute"):
         if not os.path.exists(WASM):
             raise RuntimeError(f"{WASM} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
-        clusters = "".join(fill("kvroute-cluster.yaml.tmpl", NAME=w["name"], WPORT=w["port"]) for w in ws)
-        yaml = fill("kvroute.yaml.tmpl", PORT=port, ADMIN_PORT=admin, WASM=WASM,
-                    CONFIG_JSON=json.dumps(json.dumps(conf)), CLUSTERS=clusters, FALLBACK=ws[0]["name"])
-    else:
-        eps = "".join(f"        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {w['port']}}}}}}}\n"
-                      for w in ws)
-        yaml = fill("baseline.yaml.tmpl", PORT=port, ADMIN_PORT=admin, LB_POLICY=ENVOY_LB.get(policy, policy),
-                    ENDPOINTS=eps.rstrip("\n"))
+    site = envoyconf.bench_site(port, admin, WASM)
+    doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
-        f.write(yaml)
+        f.write(envoyconf.to_yaml(doc))
     argv = [ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart",
             "-l", "warning"]
     p = Procs.start(argv, os.path.join(logdir, "envoy.log"))
@@ -335,7 +329,7 @@ def fmt(x, nd=3):
 
 def run_overhead(cfg, rawdir, have_kvroute):
     """Latency Envoy adds with and without kvroute in front of one instant worker."""
-    out = {"sizes": OVERHEAD_SIZES, "targets": {}}
+    out = {"sizes": OVERHEAD_SIZES, "prompts": OVERHEAD_PROMPTS, "targets": {}}
     cell = os.path.join(rawdir, "overhead")
     shutil.rmtree(cell, ignore_errors=True)
     os.makedirs(cell)
@@ -357,16 +351,18 @@ def run_overhead(cfg, rawdir, have_kvroute):
                 log(f"overhead: kvroute could not run: {e}")
         names = list(targets)
         res = {name: {} for name in names}
-        # Latency: all paths measured interleaved, request by request, per prompt size.
+        # Latency: all paths measured interleaved, request by request (each path gets the same
+        # prompts in the same order), per prompt size and kind.
+        by_url = {u: k for k, u in targets.items()}
         for n, reqs in zip(OVERHEAD_SIZES, cfg["overhead_requests"]):
             d = os.path.join(cell, f"lat{n}")
             subprocess.run([LOADGEN, "--mode", "latency", "--target", ",".join(targets[k] for k in names),
-                            "--prompt-tokens", str(n), "--requests", str(reqs), "--concurrency", "1",
-                            "--model", MODEL, "--out", d],
+                            "--prompt-tokens", str(n), "--prompts", ",".join(OVERHEAD_PROMPTS),
+                            "--requests", str(reqs), "--concurrency", "1", "--model", MODEL, "--out", d],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
             with open(os.path.join(d, "summary.json")) as f:
-                for k, r in zip(names, json.load(f)["results"]):
-                    res[k][str(n)] = r
+                for r in json.load(f)["results"]:
+                    res[by_url[r["target"]]][f"{r['prompt_kind']}{n}"] = r
         for name in names:
             d = os.path.join(cell, name.replace("+", "_"), "saturate")
             subprocess.run([LOADGEN, "--mode", "saturate", "--target", targets[name], "--prompt-tokens", "100",
@@ -377,7 +373,7 @@ def run_overhead(cfg, rawdir, have_kvroute):
                 res[name]["saturate"] = json.load(f)["results"][0]
             out["targets"][name] = res[name]
             log(f"overhead {name:14s}: " + ", ".join(
-                f"{n}: p50 {res[name][str(n)]['p50_ms']:.3f} ms" for n in OVERHEAD_SIZES) +
+                f"{key}: p50 {res[name][key]['p50_ms']:.3f} ms" for key, _, _ in overhead_cells()) +
                 f", saturate {res[name]['saturate']['rps']:.0f} rps")
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
@@ -502,16 +498,17 @@ def write_markdown(cfg, res, path):
     ov = res.get("overhead")
     if ov:
         L += ["", "## Overhead (one instant worker, non-streaming, max_tokens 1, 1 client, paths interleaved; wall ms)", "",
-              "| path | " + " | ".join(f"{n // 1000}k p50 / p99" for n in ov["sizes"]) + " | rps (100-token prompts, 32 clients) |",
-              "|---|" + "---|" * (len(ov["sizes"]) + 1)]
+              "| path | " + " | ".join(f"{n // 1000}k {kind} p50 / p99" for _, kind, n in overhead_cells())
+              + " | rps (100-token prompts, 32 clients) |",
+              "|---|" + "---|" * (len(overhead_cells()) + 1)]
         for name, r in ov["targets"].items():
-            L.append(f"| {name} | " + " | ".join(f"{r[str(n)]['p50_ms']:.3f} / {r[str(n)]['p99_ms']:.3f}" for n in ov["sizes"])
+            L.append(f"| {name} | " + " | ".join(f"{r[k]['p50_ms']:.3f} / {r[k]['p99_ms']:.3f}" for k, _, _ in overhead_cells())
                      + f" | {r['saturate']['rps']:.0f} |")
         if "envoy+kvroute" in ov["targets"]:
             a, b = ov["targets"]["envoy+kvroute"], ov["targets"]["envoy"]
             L.append("| kvroute adds | " + " | ".join(
-                f"{a[str(n)]['p50_ms'] - b[str(n)]['p50_ms']:+.3f} / {a[str(n)]['p99_ms'] - b[str(n)]['p99_ms']:+.3f}"
-                for n in ov["sizes"]) + " | |")
+                f"{a[k]['p50_ms'] - b[k]['p50_ms']:+.3f} / {a[k]['p99_ms'] - b[k]['p99_ms']:+.3f}"
+                for k, _, _ in overhead_cells()) + " | |")
         if ov.get("kvroute_error"):
             L.append(f"\nkvroute could not run here: {ov['kvroute_error']}")
     if res.get("not_run"):
@@ -605,17 +602,25 @@ def plot(cfg, res, outdir, rawdir):
     fig.savefig(os.path.join(outdir, "goodput.png"), dpi=110)
     plt.close(fig)
 
+
+def plot_overhead(res, outdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ov = res.get("overhead")
     if ov and ov.get("targets"):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, ax = plt.subplots(figsize=(11, 4.5))
         names = list(ov["targets"])
         wdt = 0.8 / len(names)
         for k, name in enumerate(names):
             r = ov["targets"][name]
-            xs = [i + k * wdt for i in range(len(ov["sizes"]))]
-            ax.bar(xs, [r[str(n)]["p50_ms"] for n in ov["sizes"]], wdt, label=f"{name} p50")
-            ax.scatter(xs, [r[str(n)]["p99_ms"] for n in ov["sizes"]], marker="_", s=200, color="black")
-        ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(ov["sizes"]))], [f"{n // 1000}k tokens" for n in ov["sizes"]])
+            cells = overhead_cells()
+            xs = [i + k * wdt for i in range(len(cells))]
+            ax.bar(xs, [r[key]["p50_ms"] for key, _, _ in cells], wdt, label=f"{name} p50")
+            ax.scatter(xs, [r[key]["p99_ms"] for key, _, _ in cells], marker="_", s=200, color="black")
+        ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(cells))], [f"{n // 1000}k {kind}" for _, kind, n in cells],
+                      fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("request latency, wall ms (bar p50, tick p99)")
         ax.set_title("Proxy overhead, one instant worker")
@@ -710,7 +715,9 @@ def main():
         json.dump(res, f, indent=1)
     write_markdown(cfg, res, os.path.join(outdir, "results.md"))
     try:
-        plot(cfg, res, outdir, rawdir)
+        if res["policies"]:
+            plot(cfg, res, outdir, rawdir)
+        plot_overhead(res, outdir)
     except ImportError as e:
         log(f"no plots: {e} (run with build/bench-venv/bin/python)")
     log(f"done in {res['wall_s']:.0f} s: {os.path.relpath(outdir, ROOT)}/results.md")

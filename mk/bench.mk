@@ -39,3 +39,12 @@ bench: bench-deps
 .PHONY: bench-quick
 bench-quick: bench-deps
 	$(BENCH_PY) bench/run.py --preset quick $(BENCH_ARGS)
+
+# Only the proxy-overhead step (about a minute): latency direct, through Envoy, through Envoy
+# with kvroute, warm and cold prompts of 1k-128k tokens, interleaved; results in
+# bench/results/overhead/. No peer routers needed.
+.PHONY: overhead
+overhead: venv $(BENCH_VENV)/.installed
+	cargo build --release -p mock-worker -p loadgen
+	@$(MAKE) --no-print-directory wasm
+	$(BENCH_PY) bench/run.py --preset quick --only-overhead --name overhead $(BENCH_ARGS)

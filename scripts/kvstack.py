@@ -18,20 +18,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import envoyconf  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
 WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
-
-# Same regexes as envoy/demo.yaml: label values move from stat names into Prometheus labels.
-STATS_TAGS = [
-    {"tag_name": "outcome", "regex": r"^wasmcustom\.kvroute\.requests\.((.+?)\.)total$"},
-    {"tag_name": "reason", "regex": r"^wasmcustom\.kvroute\.fallbacks\.((.+?)\.)total$"},
-    {"tag_name": "decision", "regex": r"^wasmcustom\.kvroute\.disagg_decisions\.((.+?)\.)total$"},
-    {"tag_name": "kind", "regex": r"^wasmcustom\.kvroute\.(?:feedback|replication)\.((.+?)\.)total$"},
-    {"tag_name": "worker", "regex": r"^wasmcustom\.kvroute\.worker\.((.+?)\.)\w+$"},
-]
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -84,115 +77,14 @@ class Worker:
             self.proc.wait()
 
 
-def cluster(name: str, primary: Worker, failover: list[Worker]) -> dict:
-    """One cluster per worker; the others of its pool at priority 1 so a retry lands elsewhere."""
-    ep = lambda w: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
-    endpoints = [{"priority": 0, "lb_endpoints": [ep(primary)]}]
-    if failover:
-        endpoints.append({"priority": 1, "lb_endpoints": [ep(w) for w in failover]})
-    return {
-        "name": name,
-        "connect_timeout": "0.25s",
-        "type": "STATIC",
-        "outlier_detection": {
-            "consecutive_local_origin_failure": 2,
-            "split_external_local_origin_errors": True,
-            "base_ejection_time": "5s",
-            "max_ejection_percent": 100,
-        },
-        "load_assignment": {"cluster_name": name, "endpoints": endpoints},
-    }
-
-
-RETRY = {
-    "retry_on": "connect-failure,refused-stream,reset",
-    "num_retries": 2,
-    "retry_priority": {
-        "name": "envoy.retry_priorities.previous_priorities",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
-            "update_frequency": 1,
-        },
-    },
-    "retry_host_predicate": [{
-        "name": "envoy.retry_host_predicates.previous_hosts",
-        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
-    }],
-}
-
-
 def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict | None,
                  policy: str = "ROUND_ROBIN") -> dict:
-    """Envoy bootstrap. With `kvroute` (the plugin config) the wasm filter steers by cluster
-    header; without it every decode worker sits in one cluster balanced by `policy`."""
-    decode = [w for w in workers if w.role != "prefill"]
-    prefill = [w for w in workers if w.role == "prefill"]
-    endpoint_mode = kvroute is not None and (kvroute.get("steering") or {}).get("mode") == "endpoint"
-    if endpoint_mode:
-        # Gateway API Inference Extension style: the filter names ip:port and an ORIGINAL_DST
-        # cluster connects there (it takes one endpoint, so the config sets fallbacks to 0).
-        header = kvroute["steering"].get("header", "x-gateway-destination-endpoint")
-        clusters = [{"name": "picked", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
-                     "connect_timeout": "0.25s",
-                     "original_dst_lb_config": {"use_http_header": True, "http_header_name": header}}]
-        routes = [{"match": {"prefix": "/"}, "route": {"cluster": "picked", "timeout": "0s"}}]
-    if kvroute is not None and not endpoint_mode:
-        clusters = [cluster(w.name, w, [o for o in (prefill if w.role == "prefill" else decode) if o is not w])
-                    for w in workers]
-        routes = [
-            {"match": {"prefix": "/", "headers": [{"name": "x-kvroute-cluster", "present_match": True}]},
-             "route": {"cluster_header": "x-kvroute-cluster", "timeout": "0s", "retry_policy": RETRY}},
-            {"match": {"prefix": "/"}, "route": {"cluster": decode[0].name, "timeout": "0s", "retry_policy": RETRY}},
-        ]
-    if kvroute is not None:
-        filters = [{
-            "name": "envoy.filters.http.wasm",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                "config": {
-                    "name": "kvroute",
-                    "root_id": "kvroute",
-                    "vm_config": {"vm_id": "kvroute", "runtime": "envoy.wasm.runtime.v8",
-                                  "code": {"local": {"filename": WASM}}},
-                    "allow_on_headers_stop_iteration": True,
-                    "failure_policy": "FAIL_RELOAD",
-                    "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                      "value": json.dumps(kvroute)},
-                },
-            },
-        }]
-    else:
-        ep = lambda w: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": w.port}}}}
-        clusters = [{
-            "name": "pool", "connect_timeout": "0.25s", "type": "STATIC", "lb_policy": policy,
-            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": [ep(w) for w in decode]}]},
-        }]
-        routes = [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s", "retry_policy": RETRY}}]
-        filters = []
-    filters.append({"name": "envoy.filters.http.router",
-                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "inference",
-        "stream_idle_timeout": "600s",
-        "route_config": {"name": "llm", "virtual_hosts": [{"name": "llm", "domains": ["*"], "routes": routes,
-                                                            "include_attempt_count_in_response": True}]},
-        "http_filters": filters,
-    }
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-        "stats_config": {"stats_tags": STATS_TAGS},
-        "static_resources": {
-            "listeners": [{
-                "name": "inference",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                "per_connection_buffer_limit_bytes": 33554432,
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": hcm}]}],
-            }],
-            "clusters": clusters,
-        },
-    }
+    """Envoy bootstrap (scripts/envoyconf.py, the same generator as envoy/demo.yaml). With
+    `kvroute` (the plugin config) the wasm filter steers by cluster header; without it every
+    decode worker sits in one cluster balanced by `policy`."""
+    fleet = [envoyconf.Upstream(w.name, "127.0.0.1", w.port, w.role, w.kv_blocks) for w in workers]
+    site = envoyconf.Site(listen=("127.0.0.1", listen), admin=("127.0.0.1", admin), wasm=WASM)
+    return envoyconf.plain(envoyconf.bootstrap(site, fleet, kvroute, policy))
 
 
 def kvroute_config(fleet: list[Worker], /, **overrides) -> dict:

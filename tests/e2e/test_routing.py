@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-import kvstack  # noqa: E402
 from kvstack import Stack, Worker, request, stream, text  # noqa: E402
 
 

@@ -79,6 +79,9 @@ latency / saturate modes (--target may list several URLs, comma-separated; laten
 interleaves them request by request):
   --prompt-tokens LIST      prompt sizes, e.g. 1000,8000,32000,128000 [1000]
   --requests N              requests per size (latency) [200]
+  --prompts LIST            latency: same (one prompt repeated), warm (one document, a new
+                            question each request), cold (a new prompt each request);
+                            comma-separated, each measured in turn [same]
   --concurrency N           closed-loop clients [1 latency, 32 saturate]
   --duration-s F            saturate: seconds per size [5]
 ";
@@ -121,6 +124,7 @@ pub struct Args {
     pub doc_fraction: f64,
     pub max_tokens: u64,
     pub prompt_tokens: Vec<usize>,
+    pub prompts: Vec<stats::PromptKind>,
     pub requests: usize,
     pub concurrency: usize,
     pub duration_s: f64,
@@ -166,6 +170,7 @@ fn parse_args() -> Result<Args, String> {
         doc_fraction: 0.3,
         max_tokens: 64,
         prompt_tokens: vec![1000],
+        prompts: vec![stats::PromptKind::Same],
         requests: 200,
         concurrency: 0,
         duration_s: 5.0,
@@ -247,6 +252,13 @@ fn parse_args() -> Result<Args, String> {
                     .map(|s| s.trim().parse::<usize>())
                     .collect::<Result<_, _>>()
                     .map_err(|_| format!("{f}: bad list"))?
+            }
+            "--prompts" => {
+                a.prompts = v
+                    .split(',')
+                    .map(|s| stats::PromptKind::parse(s.trim()))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| format!("{f}: same, warm or cold"))?
             }
             "--requests" => a.requests = num!(),
             "--concurrency" => a.concurrency = num!(),

@@ -175,7 +175,59 @@ pub fn one_line(s: &Value) -> String {
     )
 }
 
-/// `--mode latency`: for each prompt size, closed-loop non-streaming requests with
+/// The prompts of a latency measurement (`--prompts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptKind {
+    /// One prompt, repeated: everything cached after the first request.
+    Same,
+    /// One document with a new question each request: the chat / RAG case, a long cached
+    /// prefix and a new tail.
+    Warm,
+    /// A new prompt each request: every block is new to a cache-aware router's index.
+    Cold,
+}
+
+impl PromptKind {
+    pub fn parse(s: &str) -> Option<PromptKind> {
+        match s {
+            "same" => Some(PromptKind::Same),
+            "warm" => Some(PromptKind::Warm),
+            "cold" => Some(PromptKind::Cold),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            PromptKind::Same => "same",
+            PromptKind::Warm => "warm",
+            PromptKind::Cold => "cold",
+        }
+    }
+}
+
+/// The body of closed-loop request `i` (every target gets the same `i` in turn).
+fn latency_body(model: &str, seed: u64, n: usize, kind: PromptKind, i: usize) -> Bytes {
+    let mut prompt = String::with_capacity(n * 5 + 24);
+    match kind {
+        PromptKind::Cold => {
+            push_words(&mut prompt, seed_of(&[seed, 0xc01d, n as u64, i as u64]), n)
+        }
+        PromptKind::Same | PromptKind::Warm => {
+            push_words(&mut prompt, seed_of(&[seed, 0x1a7, n as u64]), n)
+        }
+    }
+    if kind == PromptKind::Warm {
+        prompt.push_str(&format!(" question {i}"));
+    }
+    let mut b = json!({"prompt": prompt, "max_tokens": 1});
+    if !model.is_empty() {
+        b["model"] = json!(model);
+    }
+    Bytes::from(serde_json::to_vec(&b).unwrap())
+}
+
+/// `--mode latency`: for each prompt size (and each `--prompts` kind), closed-loop non-streaming requests with
 /// `max_tokens` 1. Several comma-separated `--target`s are measured interleaved (request i goes
 /// to target i mod n), so drift in machine load hits every target alike. `--mode saturate`:
 /// the same for `--duration-s` with more clients, one target after the other.
@@ -203,14 +255,18 @@ pub async fn closed_loop(a: &Args) -> i32 {
     } else {
         vec![targets.clone()]
     };
-    for &n in &a.prompt_tokens {
-        let mut prompt = String::with_capacity(n * 5);
-        push_words(&mut prompt, seed_of(&[a.seed, 0x1a7, n as u64]), n);
-        let mut b = json!({"prompt": prompt, "max_tokens": 1});
-        if !a.model.is_empty() {
-            b["model"] = json!(a.model);
-        }
-        let body = Bytes::from(serde_json::to_vec(&b).unwrap());
+    let kinds = if saturate {
+        vec![PromptKind::Same]
+    } else {
+        a.prompts.clone()
+    };
+    let cells: Vec<(usize, PromptKind)> = a
+        .prompt_tokens
+        .iter()
+        .flat_map(|&n| kinds.iter().map(move |&k| (n, k)))
+        .collect();
+    for (n, kind) in cells {
+        let body = latency_body(&a.model, a.seed, n, PromptKind::Same, 0);
         for group in &groups {
             let urls: Arc<Vec<String>> = Arc::new(
                 group
@@ -257,6 +313,7 @@ pub async fn closed_loop(a: &Args) -> i32 {
                     stop.clone(),
                 );
                 let timeout = a.timeout;
+                let (model, seed) = (a.model.clone(), a.seed);
                 hs.push(tokio::spawn(async move {
                     let mut mine = vec![Vec::new(); urls.len()];
                     while !stop.load(Ordering::Relaxed) {
@@ -265,10 +322,14 @@ pub async fn closed_loop(a: &Args) -> i32 {
                             break;
                         }
                         let j = k % urls.len();
+                        // Request k goes to target k mod n with prompt k / n: every target
+                        // sees the same prompts in the same order.
+                        let b = match kind {
+                            PromptKind::Same => body.clone(),
+                            _ => latency_body(&model, seed, n, kind, k / urls.len()),
+                        };
                         let t = Instant::now();
-                        let o =
-                            client::send(&c, &urls[j], body.clone(), &[], t, false, timeout, None)
-                                .await;
+                        let o = client::send(&c, &urls[j], b, &[], t, false, timeout, None).await;
                         if o.error.is_some() {
                             errors.fetch_add(1, Ordering::Relaxed);
                         } else {
@@ -295,6 +356,7 @@ pub async fn closed_loop(a: &Args) -> i32 {
                 let r = json!({
                     "target": group[j],
                     "prompt_tokens": n,
+                    "prompt_kind": kind.name(),
                     "body_bytes": body.len(),
                     "concurrency": conc,
                     "requests": v.len(),
@@ -324,4 +386,31 @@ pub async fn closed_loop(a: &Args) -> i32 {
         println!("{}", serde_json::to_string_pretty(&out).unwrap());
     }
     0
+}
+
+#[cfg(test)]
+mod latency_prompt_tests {
+    use super::*;
+
+    fn prompt(kind: PromptKind, i: usize) -> String {
+        let v: Value = serde_json::from_slice(&latency_body("m", 1, 1000, kind, i)).unwrap();
+        v["prompt"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn same_repeats_warm_shares_the_document_cold_is_new_each_time() {
+        assert_eq!(prompt(PromptKind::Same, 0), prompt(PromptKind::Same, 7));
+        let (w0, w1) = (prompt(PromptKind::Warm, 0), prompt(PromptKind::Warm, 1));
+        assert_ne!(w0, w1);
+        let doc = prompt(PromptKind::Same, 0);
+        assert!(w0.starts_with(&doc) && w1.starts_with(&doc));
+        assert_eq!(w1.len() - doc.len(), " question 1".len());
+        let (c0, c1) = (prompt(PromptKind::Cold, 0), prompt(PromptKind::Cold, 1));
+        assert_ne!(c0, c1);
+        // A new prompt from its first word: nothing for a prefix cache to reuse.
+        assert_ne!(c0.split(' ').nth(1), c1.split(' ').nth(1));
+        assert_eq!(prompt(PromptKind::Cold, 3), prompt(PromptKind::Cold, 3));
+        assert_eq!(PromptKind::parse("warm"), Some(PromptKind::Warm));
+        assert_eq!(PromptKind::parse("hot"), None);
+    }
 }
