@@ -254,3 +254,62 @@ def test_rate_limit_429_is_not_a_worker_failure(monkeypatch):
         assert routed_total(s) == 3
         assert failures(s, "decode-1") == 0
         assert healthy(s, "decode-1") == 1
+
+
+class RawUpstream(Worker):
+    """A worker that answers every request with header values that are not UTF-8 (a broken
+    or hostile upstream); Envoy passes such bytes through to the filter."""
+
+    def start(self, speedup, log_dir):
+        self.port = self.port or kvstack.free_port()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.sock.listen(16)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                piece = conn.recv(65536)
+                if not piece:
+                    return
+                data += piece
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    length = int(v)
+            while len(body) < length:
+                body += conn.recv(65536)
+            out = json.dumps({"choices": [{"text": "x"}],
+                              "usage": {"prompt_tokens": 3, "completion_tokens": 1}}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.\xff\xfe\r\n"
+                         b"x-odd: \x80\r\n"
+                         b"content-length: " + str(len(out)).encode() + b"\r\nconnection: close\r\n\r\n" + out)
+
+    def stop(self):
+        self.sock.close()
+
+
+def test_upstream_header_values_that_are_not_utf8_do_not_crash_the_vm():
+    with Stack([RawUpstream("raw-1", role="decode")], kvroute={"disaggregation": {"threshold_tokens": 0}},
+               concurrency=1) as s:
+        for i in range(3):
+            status, headers, data = s.post("/v1/completions", completion(f"raw {i}"))
+            assert status == 200, (status, data[:200])
+            assert headers.get("x-kvroute-worker") == "raw-1"
+        assert routed_total(s) == 3
+        assert s.stats().get('kvroute_feedback_total{kind="usage"}') == 3
+        assert_vm_never_crashed(s)
