@@ -56,6 +56,8 @@ class Worker:
     prompt_tokens_details: bool = True
     proc: subprocess.Popen | None = None
     args: list = field(default_factory=list)
+    # For a prefill worker: the decode endpoints it may hand off to (Stack fills in its pool).
+    allowed_decode: list = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -68,6 +70,8 @@ class Worker:
                "--speedup", str(speedup), "--kv-blocks", str(self.kv_blocks), *self.args]
         if self.prompt_tokens_details:
             cmd.append("--enable-prompt-tokens-details")
+        if self.allowed_decode:
+            cmd += ["--allowed-decode-endpoints", ",".join(self.allowed_decode)]
         log = open(os.path.join(log_dir, f"{self.name}.log"), "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -118,6 +122,12 @@ class Stack:
         self.kvroute: dict | None = None
 
     def start(self) -> "Stack":
+        for w in self.workers:
+            w.port = w.port or free_port()
+        decode = [w.endpoint for w in self.workers if w.role != "prefill"]
+        for w in self.workers:
+            if w.role == "prefill" and not w.allowed_decode:
+                w.allowed_decode = decode
         for w in self.workers:
             w.start(self.speedup, self.dir)
         for w in self.workers:

@@ -166,6 +166,22 @@ pub enum Outcome {
     ClientGone,
 }
 
+/// Envoy's `response.code_details` for an answer the worker itself sent.
+pub const VIA_UPSTREAM: &str = "via_upstream";
+
+/// Whether a reply Envoy generated (its `code_details`) says the chosen worker failed:
+/// a reset or refused connection, or no answer in time. Envoy's other local replies are
+/// about Envoy's own state (circuit breaker overflow `...{overflow}`, `no_healthy_upstream`,
+/// `cluster_not_found`, rate limiters, a configured stream duration) and say nothing of
+/// the worker's health.
+fn blames_worker(details: &str) -> bool {
+    let reset = details.starts_with("upstream_reset") && !details.contains("{overflow");
+    reset
+        || details.starts_with("upstream_response_timeout")
+        || details.starts_with("upstream_per_try_timeout")
+        || details.starts_with("upstream_per_try_idle_timeout")
+}
+
 /// Classifies the answer to a steered request.
 ///
 /// `status` is `None` when no response headers arrived (connect failure, reset, timeout, or
@@ -173,6 +189,11 @@ pub enum Outcome {
 /// `attempts` is Envoy's `x-envoy-attempt-count`: above 1, the first try on the chosen
 /// worker (priority 0 of its cluster) failed and a retry answered. `same_host` says whether
 /// the upstream address equals the chosen worker's endpoint (`None`: not comparable).
+/// `code_details` is Envoy's `response.code_details` (`None`: unknown, so a 5xx counts).
+///
+/// A 429 is never the worker's failure: it is a limit (a per-tenant rate limiter in front
+/// of or inside the engine), and a cooldown would move every tenant's traffic off a healthy
+/// worker. A 5xx counts only if the worker sent it or Envoy's reply blames the worker.
 pub fn classify(
     status: Option<u32>,
     attempts: u32,
@@ -180,13 +201,17 @@ pub fn classify(
     code_details: Option<&str>,
 ) -> Outcome {
     let Some(status) = status else {
-        return if code_details.is_some_and(|d| d.starts_with("downstream")) {
-            Outcome::ClientGone
-        } else {
-            Outcome::Failure
+        return match code_details {
+            Some(d) if d.starts_with("downstream") => Outcome::ClientGone,
+            Some(d) if d != VIA_UPSTREAM && !blames_worker(d) => Outcome::Neutral,
+            _ => Outcome::Failure,
         };
     };
-    let failed = status >= 500 || status == 429;
+    let failed = status >= 500
+        && match code_details {
+            None | Some(VIA_UPSTREAM) => true,
+            Some(d) => blames_worker(d),
+        };
     // With priority failover, Envoy may have retried on another worker.
     let moved = attempts > 1 || same_host == Some(false);
     if failed || moved {
@@ -292,11 +317,46 @@ mod tests {
         assert_eq!(classify(Some(404), 1, Some(true), None), Neutral);
         assert_eq!(classify(Some(500), 1, Some(true), None), Failure);
         assert_eq!(classify(Some(503), 1, None, None), Failure);
-        assert_eq!(classify(Some(429), 1, Some(true), None), Failure);
+        assert_eq!(classify(Some(429), 1, Some(true), None), Neutral);
         assert_eq!(classify(Some(200), 2, Some(true), None), Failure);
         assert_eq!(classify(Some(200), 1, Some(false), None), Failure);
         // Status 0 stands for a missing :status: neither failure nor proof.
         assert_eq!(classify(Some(0), 1, Some(true), None), Neutral);
+    }
+
+    #[test]
+    fn classify_envoy_local_replies_and_limits() {
+        use Outcome::*;
+        let up = Some(VIA_UPSTREAM);
+        assert_eq!(classify(Some(503), 1, Some(true), up), Failure);
+        assert_eq!(classify(Some(500), 1, None, up), Failure);
+        // A rate limit, wherever it comes from, is not a failure.
+        assert_eq!(classify(Some(429), 1, Some(true), up), Neutral);
+        assert_eq!(
+            classify(Some(429), 1, None, Some("local_rate_limited")),
+            Neutral
+        );
+        for d in [
+            "upstream_reset_before_response_started{overflow}",
+            "no_healthy_upstream",
+            "cluster_not_found",
+            "maintenance_mode",
+            "upstream_max_stream_duration_reached",
+        ] {
+            assert_eq!(classify(Some(503), 1, None, Some(d)), Neutral, "{d}");
+            assert_eq!(classify(None, 1, None, Some(d)), Neutral, "{d}");
+        }
+        for d in [
+            "upstream_reset_before_response_started{connection_failure}",
+            "upstream_reset_before_response_started{remote_reset}",
+            "upstream_response_timeout",
+            "upstream_per_try_timeout",
+        ] {
+            assert_eq!(classify(Some(503), 1, None, Some(d)), Failure, "{d}");
+            assert_eq!(classify(Some(504), 1, None, Some(d)), Failure, "{d}");
+        }
+        // A retry elsewhere still means the first pick failed, whatever answered.
+        assert_eq!(classify(Some(429), 2, None, up), Failure);
     }
 
     #[test]

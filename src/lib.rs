@@ -3,6 +3,7 @@
 //! Everything outside `filter` is pure logic: no host calls, so it is tested natively and
 //! compiled to wasm32 under wasm-bindgen-test. `filter` is the thin proxy-wasm adapter.
 
+pub mod calibrate;
 pub mod config;
 pub mod events;
 pub mod feedback;

@@ -2,6 +2,7 @@
 //! table, and the request lifecycle (route, prefill done, finish, feedback) expressed as
 //! events, so the same code applies local decisions and those replicated from other threads.
 
+use crate::calibrate::Calibrator;
 use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
@@ -94,6 +95,8 @@ pub struct Router {
     /// Calibrated from usage; the hashing block length stays on the configured value so
     /// calibration never changes block hashes.
     chars_per_token: f64,
+    /// Per-upstream calibration state behind `chars_per_token`.
+    calib: Calibrator,
     origin: u64,
     seq: u64,
     /// Local decisions whose index insert has not run yet: (worker, prefill worker, hashes, at).
@@ -131,6 +134,7 @@ impl Router {
         index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
+        let calib = Calibrator::new(cfg.workers.len());
         Router {
             cfg,
             sel,
@@ -140,6 +144,7 @@ impl Router {
             load,
             rng: Rng::new(seed),
             chars_per_token,
+            calib,
             origin: (origin & 0xFFFF) << 48,
             seq: 0,
             pending: Vec::new(),
@@ -558,9 +563,8 @@ impl Router {
         let mut ev = None;
         if !d.exact_tokens && d.prompt_bytes_est > 0.0 {
             let observed = d.prompt_bytes_est / f64::from(u.prompt_tokens);
-            if observed.is_finite() && (0.5..=64.0).contains(&observed) {
-                // Slow EMA: one odd request must not swing the estimate.
-                let next = 0.9 * self.chars_per_token + 0.1 * observed;
+            let upstream = usize::from(d.target);
+            if let Some(next) = self.calib.observe(upstream, observed, self.chars_per_token) {
                 if (next - self.chars_per_token).abs() > 0.01 {
                     let e = Event::Calibrate {
                         chars_per_token: next,

@@ -12,11 +12,28 @@ pub const ORCA_REQUEST: &str = "endpoint-load-metrics-format";
 /// The worker's load report on the response.
 pub const ORCA_RESPONSE: &str = "endpoint-load-metrics";
 
+/// The KV hand-off header a prefill worker sends to the decode worker (token count it
+/// transferred); a decode worker that trusts it reports those tokens as cached.
+pub const KV_TRANSFER: &str = "x-kvroute-kv-transfer";
+
+/// Both default steering header names: whichever mode is configured, a client must not
+/// set the other one either (an Envoy route may still act on it).
+const STEERING_DEFAULTS: [&str; 2] = ["x-kvroute-cluster", "x-gateway-destination-endpoint"];
+
 /// What the filter looks at on a request's headers, fixed at configure time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Intercept {
+    /// Configured routes in canonical form (see `canonical_path`).
     routes: Vec<(String, ApiKind)>,
     strip: Vec<String>,
+}
+
+/// An intercepted request: its API, and the `:path` to forward when the client's differs
+/// from the canonical route (trailing or repeated slashes, percent-encoding, dot segments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    pub kind: ApiKind,
+    pub rewrite: Option<String>,
 }
 
 impl Intercept {
@@ -30,36 +47,99 @@ impl Intercept {
                 } else {
                     ApiKind::Completions
                 };
-                (r.clone(), kind)
+                (canonical_path(r).unwrap_or_else(|| r.clone()), kind)
             })
             .collect();
-        Intercept {
-            routes,
-            strip: vec![
-                cfg.steering.header_name().to_string(),
-                cfg.disaggregation.decode_header.clone(),
-                cfg.disaggregation.prefiller_header.clone(),
-            ],
+        let mut strip: Vec<String> = Vec::new();
+        for h in [
+            cfg.steering.header_name(),
+            STEERING_DEFAULTS[0],
+            STEERING_DEFAULTS[1],
+            cfg.disaggregation.decode_header.as_str(),
+            cfg.disaggregation.prefiller_header.as_str(),
+            KV_TRANSFER,
+        ] {
+            // Config validation keeps header names lowercase, as Envoy stores them.
+            if !strip.iter().any(|s| s == h) {
+                strip.push(h.to_string());
+            }
         }
+        Intercept { routes, strip }
     }
 
-    /// Headers a client must never send: they would choose the worker itself.
+    /// Headers a client must never send: they would choose the worker itself, or make a
+    /// worker trust a KV hand-off that never happened.
     pub fn strip(&self) -> &[String] {
         &self.strip
     }
 
-    /// The API of an inference request (a POST to a configured route; the query string is
-    /// ignored), or `None` for traffic that passes through untouched.
-    pub fn api_kind(&self, method: Option<&str>, path: &str) -> Option<ApiKind> {
+    /// The API of an inference request (a POST to a configured route), or `None` for
+    /// traffic that passes through untouched. The path is compared in canonical form, so
+    /// every spelling an engine would serve as the route (FastAPI redirects a trailing
+    /// slash, uvicorn decodes `%XX`) is routed and accounted, and forwarded canonical.
+    pub fn matches(&self, method: Option<&str>, path: &str) -> Option<Matched> {
         if method != Some("POST") {
             return None;
         }
-        let path = path.split('?').next().unwrap_or("");
-        self.routes
-            .iter()
-            .find(|(r, _)| r == path)
-            .map(|(_, kind)| *kind)
+        let (raw, query) = match path.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (path, None),
+        };
+        let canon = canonical_path(raw)?;
+        let (route, kind) = self.routes.iter().find(|(r, _)| *r == canon)?;
+        let rewrite = (raw != route).then(|| match query {
+            Some(q) => format!("{route}?{q}"),
+            None => route.clone(),
+        });
+        Some(Matched {
+            kind: *kind,
+            rewrite,
+        })
     }
+}
+
+/// A path as an HTTP engine resolves it: `%XX` decoded, empty and `.` segments dropped,
+/// `..` applied, no trailing slash. `None` if the decoded path is not UTF-8.
+pub fn canonical_path(raw: &str) -> Option<String> {
+    let decoded = String::from_utf8(percent_decode(raw.as_bytes())).ok()?;
+    let mut segs: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                segs.pop();
+            }
+            s => segs.push(s),
+        }
+    }
+    Some(format!("/{}", segs.join("/")))
+}
+
+fn percent_decode(s: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| {
+        char::from(b)
+            .to_digit(16)
+            .and_then(|d| u8::try_from(d).ok())
+    };
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while let Some(&b) = s.get(i) {
+        let pair = match (s.get(i + 1), s.get(i + 2)) {
+            (Some(&h), Some(&l)) if b == b'%' => hex(h).zip(hex(l)),
+            _ => None,
+        };
+        match pair {
+            Some((h, l)) => {
+                out.push(h << 4 | l);
+                i += 3;
+            }
+            None => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Request headers that carry the decision: the steering header (a cluster name, or the
@@ -149,6 +229,10 @@ mod tests {
         h.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_ref())
     }
 
+    fn kind(i: &Intercept, method: &str, path: &str) -> Option<ApiKind> {
+        i.matches(Some(method), path).map(|m| m.kind)
+    }
+
     #[test]
     fn intercepts_posts_to_configured_routes_only() {
         let cfg = Config::from_json(
@@ -157,24 +241,79 @@ mod tests {
         .unwrap();
         let i = Intercept::from_config(&cfg);
         assert_eq!(
-            i.api_kind(Some("POST"), "/v1/completions?stream=1"),
+            kind(&i, "POST", "/v1/completions?stream=1"),
             Some(ApiKind::Completions)
         );
         assert_eq!(
-            i.api_kind(Some("POST"), "/x/chat/completions"),
+            kind(&i, "POST", "/x/chat/completions"),
             Some(ApiKind::ChatCompletions)
         );
-        assert_eq!(i.api_kind(Some("GET"), "/v1/completions"), None);
-        assert_eq!(i.api_kind(None, "/v1/completions"), None);
-        assert_eq!(i.api_kind(Some("POST"), "/v1/chat/completions"), None);
+        assert_eq!(kind(&i, "GET", "/v1/completions"), None);
+        assert_eq!(i.matches(None, "/v1/completions"), None);
+        assert_eq!(kind(&i, "POST", "/v1/chat/completions"), None);
+        assert_eq!(kind(&i, "POST", "/v1/completions/render"), None);
+        assert_eq!(kind(&i, "POST", "/v1/completionsx"), None);
         assert_eq!(
             i.strip(),
             [
                 "x-kvroute-cluster",
+                "x-gateway-destination-endpoint",
                 "x-kvroute-decode-endpoint",
-                "x-prefiller-host-port"
+                "x-prefiller-host-port",
+                "x-kvroute-kv-transfer"
             ]
         );
+    }
+
+    #[test]
+    fn other_spellings_of_a_route_match_and_are_rewritten_canonical() {
+        let cfg = Config::from_json(br#"{"workers":[{"name":"a"}]}"#).unwrap();
+        let i = Intercept::from_config(&cfg);
+        let m = |p: &str| i.matches(Some("POST"), p);
+        assert_eq!(
+            m("/v1/completions"),
+            Some(Matched {
+                kind: ApiKind::Completions,
+                rewrite: None
+            })
+        );
+        assert_eq!(m("/v1/completions?a=1").unwrap().rewrite, None);
+        for (path, want) in [
+            ("/v1/completions/", "/v1/completions"),
+            ("//v1//completions", "/v1/completions"),
+            ("/v1/completions//?a=1", "/v1/completions?a=1"),
+            ("/v1/%63ompletions", "/v1/completions"),
+            ("/v1/./x/../completions", "/v1/completions"),
+            ("/v1/chat%2Fcompletions/", "/v1/chat/completions"),
+        ] {
+            let got = m(path).unwrap_or_else(|| panic!("{path} not matched"));
+            assert_eq!(got.rewrite.as_deref(), Some(want), "{path}");
+        }
+        assert_eq!(
+            m("/v1/chat/completions/").unwrap().kind,
+            ApiKind::ChatCompletions
+        );
+        // Not a route in any spelling, or not decodable: passes through.
+        assert_eq!(m("/v1/completions%"), None);
+        assert_eq!(m("/v1/completions%ff"), None);
+        assert_eq!(m("/v1/completions\u{fffd}"), None);
+        assert_eq!(canonical_path("/"), Some("/".into()));
+        assert_eq!(canonical_path("/../.."), Some("/".into()));
+    }
+
+    #[test]
+    fn configured_steering_header_is_stripped_once() {
+        let cfg = Config::from_json(
+            br#"{"workers":[{"name":"a","endpoint":"10.0.0.1:80"}],"steering":{"mode":"endpoint","header":"x-pick"}}"#,
+        )
+        .unwrap();
+        let i = Intercept::from_config(&cfg);
+        assert_eq!(i.strip().first().map(String::as_str), Some("x-pick"));
+        assert_eq!(i.strip().len(), 6);
+        let cfg =
+            Config::from_json(br#"{"workers":[{"name":"a","endpoint":"10.0.0.1:80"}],"steering":{"mode":"endpoint"}}"#)
+                .unwrap();
+        assert_eq!(Intercept::from_config(&cfg).strip().len(), 5);
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! Every proxy-wasm host call the adapter makes, behind `Host` (shared data and queues are
-//! behind `SharedBus`, see bus.rs). `ProxyHost` forwards to `proxy_wasm::hostcalls`; tests
-//! drive the contexts with a fake. `Calls` is what the adapter uses: it counts failed calls
+//! behind `SharedBus`, see bus.rs). `ProxyHost` forwards to the raw ABI (ffi.rs: no SDK
+//! wrapper that can panic); tests drive the contexts with a fake. `Calls` is what the adapter uses: it counts failed calls
 //! in `kvroute.host_errors.total` instead of dropping them.
 
-use proxy_wasm::hostcalls;
+use super::ffi;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
 use std::cell::Cell;
 use std::time::Duration;
@@ -12,7 +12,8 @@ use std::time::Duration;
 pub type HostResult<T> = Result<T, Status>;
 
 pub trait Host {
-    fn header(&self, map: MapType, name: &str) -> HostResult<Option<String>>;
+    /// A header's value as raw bytes: clients can send any byte in a value (h2c `:path`).
+    fn header(&self, map: MapType, name: &str) -> HostResult<Option<Vec<u8>>>;
     /// `None` removes the header.
     fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()>;
     fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>>;
@@ -30,52 +31,48 @@ pub trait Host {
 pub struct ProxyHost;
 
 impl Host for ProxyHost {
-    fn header(&self, map: MapType, name: &str) -> HostResult<Option<String>> {
-        hostcalls::get_map_value(map, name)
+    fn header(&self, map: MapType, name: &str) -> HostResult<Option<Vec<u8>>> {
+        ffi::header(map, name)
     }
 
     fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()> {
-        hostcalls::set_map_value(map, name, value)
+        ffi::set_header(map, name, value)
     }
 
     fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>> {
-        hostcalls::get_buffer(kind, start, max)
+        ffi::buffer(kind, start, max)
     }
 
     fn property(&self, path: &[&str]) -> HostResult<Option<Vec<u8>>> {
-        hostcalls::get_property(path.to_vec())
+        ffi::property(path)
     }
 
     fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) -> HostResult<()> {
-        hostcalls::send_http_response(status, headers.to_vec(), Some(body))
+        ffi::send_response(status, headers, body)
     }
 
     fn now_ns(&self) -> HostResult<u64> {
-        let t = hostcalls::get_current_time()?;
-        let d = t
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_err(|_| Status::InternalFailure)?;
-        Ok(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        ffi::now_ns()
     }
 
     fn log(&self, level: LogLevel, msg: &str) -> HostResult<()> {
-        hostcalls::log(level, msg)
+        ffi::log(level, msg)
     }
 
     fn define_metric(&self, kind: MetricType, name: &str) -> HostResult<u32> {
-        hostcalls::define_metric(kind, name)
+        ffi::define_metric(kind, name)
     }
 
     fn increment_metric(&self, id: u32, n: i64) -> HostResult<()> {
-        hostcalls::increment_metric(id, n)
+        ffi::increment_metric(id, n)
     }
 
     fn record_metric(&self, id: u32, v: u64) -> HostResult<()> {
-        hostcalls::record_metric(id, v)
+        ffi::record_metric(id, v)
     }
 
     fn set_tick_period(&self, period: Duration) -> HostResult<()> {
-        hostcalls::set_tick_period(period)
+        ffi::set_tick_period_ms(u32::try_from(period.as_millis()).unwrap_or(u32::MAX))
     }
 }
 
@@ -117,8 +114,15 @@ impl Calls {
         }
     }
 
+    /// A header's value; bytes that are not UTF-8 become U+FFFD, so such a value never
+    /// equals a route or a number and the request is treated as any other unknown one.
     pub fn header(&self, map: MapType, name: &str) -> Option<String> {
-        self.ok(self.host.header(map, name)).flatten()
+        self.ok(self.host.header(map, name))
+            .flatten()
+            .map(|v| match String::from_utf8(v) {
+                Ok(s) => s,
+                Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            })
     }
 
     pub fn set_header(&self, map: MapType, name: &str, value: Option<&str>) {

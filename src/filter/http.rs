@@ -186,10 +186,14 @@ impl HttpContext for Http {
         let path = host
             .header(MapType::HttpRequestHeaders, ":path")
             .unwrap_or_default();
-        self.kind = s.intercept.api_kind(method.as_deref(), &path);
+        let matched = s.intercept.matches(method.as_deref(), &path);
         drop(s);
-        if self.kind.is_none() {
+        let Some(m) = matched else {
             return Action::Continue;
+        };
+        self.kind = Some(m.kind);
+        if let Some(p) = m.rewrite {
+            host.set_header(MapType::HttpRequestHeaders, ":path", Some(&p));
         }
         if end_of_stream {
             return self.route(&[]);
@@ -238,12 +242,14 @@ impl HttpContext for Http {
             .and_then(|s| s.parse().ok())
             .unwrap_or(1);
         let upstream = host.property_string(&["upstream", "address"]);
+        // `via_upstream`, or why Envoy answered itself (overflow, no healthy upstream...).
+        let details = host.property_string(&["response", "code_details"]);
         let now = host.now_ms();
         let debug = self.with(|s| {
             let mut evs: Vec<Event> = Vec::new();
             let same_host =
                 feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
-            match feedback::classify(Some(status), attempts, same_host, None) {
+            match feedback::classify(Some(status), attempts, same_host, details.as_deref()) {
                 Outcome::Failure => record_failure(s, &d, now, &mut evs),
                 Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
                 Outcome::Neutral | Outcome::ClientGone => {}

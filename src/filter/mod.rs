@@ -5,6 +5,7 @@
 //! one Envoy worker thread.
 
 mod bus;
+mod ffi;
 mod host;
 mod http;
 mod metrics;

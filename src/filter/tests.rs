@@ -20,8 +20,9 @@ type Sent = (u32, Vec<(String, String)>, Vec<u8>);
 
 #[derive(Default)]
 struct Fake {
-    request: Vec<(String, String)>,
-    response: Vec<(String, String)>,
+    /// Header values are bytes: clients and upstreams can send any byte.
+    request: Vec<(String, Vec<u8>)>,
+    response: Vec<(String, Vec<u8>)>,
     request_body: Vec<u8>,
     /// The response chunk the current body callback sees.
     response_chunk: Vec<u8>,
@@ -49,7 +50,7 @@ impl FakeHost {
     }
 }
 
-fn map(f: &mut Fake, m: MapType) -> &mut Vec<(String, String)> {
+fn map(f: &mut Fake, m: MapType) -> &mut Vec<(String, Vec<u8>)> {
     match m {
         MapType::HttpResponseHeaders => &mut f.response,
         _ => &mut f.request,
@@ -57,7 +58,7 @@ fn map(f: &mut Fake, m: MapType) -> &mut Vec<(String, String)> {
 }
 
 impl Host for FakeHost {
-    fn header(&self, m: MapType, name: &str) -> HostResult<Option<String>> {
+    fn header(&self, m: MapType, name: &str) -> HostResult<Option<Vec<u8>>> {
         self.fails("header")?;
         let mut f = self.0.borrow_mut();
         Ok(map(&mut f, m)
@@ -72,7 +73,7 @@ impl Host for FakeHost {
         let h = map(&mut f, m);
         h.retain(|(k, _)| k != name);
         if let Some(v) = value {
-            h.push((name.to_string(), v.to_string()));
+            h.push((name.to_string(), v.as_bytes().to_vec()));
         }
         Ok(())
     }
@@ -190,18 +191,18 @@ impl Vm {
             (":path".into(), path.into()),
         ];
         f.request
-            .extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            .extend(extra.iter().map(|(k, v)| (k.to_string(), (*v).into())));
         f.response.clear();
     }
 
     fn req_header(&self, name: &str) -> Option<String> {
-        self.fake.header(MapType::HttpRequestHeaders, name).unwrap()
+        let v = self.fake.header(MapType::HttpRequestHeaders, name).unwrap();
+        v.map(|v| String::from_utf8(v).unwrap())
     }
 
     fn resp_header(&self, name: &str) -> Option<String> {
-        self.fake
-            .header(MapType::HttpResponseHeaders, name)
-            .unwrap()
+        let v = self.fake.header(MapType::HttpResponseHeaders, name);
+        v.unwrap().map(|v| String::from_utf8(v).unwrap())
     }
 
     fn counter(&self, name: &str) -> i64 {
@@ -234,7 +235,7 @@ impl Vm {
             let mut f = self.f();
             f.response = vec![(":status".into(), status.into())];
             f.response
-                .extend(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+                .extend(headers.iter().map(|(k, v)| (k.to_string(), (*v).into())));
         }
         assert_eq!(h.on_http_response_headers(2, false), Action::Continue);
     }
@@ -345,6 +346,8 @@ fn client_sent_steering_and_handoff_headers_are_removed() {
         ("x-kvroute-cluster", "pool-evil"),
         ("x-kvroute-decode-endpoint", "6.6.6.6:1"),
         ("x-prefiller-host-port", "6.6.6.6:2"),
+        ("x-kvroute-kv-transfer", "1134"),
+        ("x-gateway-destination-endpoint", "6.6.6.6:3"),
         ("x-other", "kept"),
     ];
     // Also on traffic that is not routed.
@@ -354,6 +357,8 @@ fn client_sent_steering_and_handoff_headers_are_removed() {
     assert_eq!(vm.req_header("x-kvroute-cluster"), None);
     assert_eq!(vm.req_header("x-kvroute-decode-endpoint"), None);
     assert_eq!(vm.req_header("x-prefiller-host-port"), None);
+    assert_eq!(vm.req_header("x-kvroute-kv-transfer"), None);
+    assert_eq!(vm.req_header("x-gateway-destination-endpoint"), None);
     assert_eq!(vm.req_header("x-other").as_deref(), Some("kept"));
 
     vm.request("POST", "/v1/completions", &forged);
@@ -450,7 +455,22 @@ fn llm_d_disaggregation_steers_to_decode_and_names_prefiller() {
 
 /// Routes one request, answers it as given and returns the failures counted on its worker.
 fn failures_after(status: &str, headers: &[(&str, &str)], upstream: Option<&str>) -> i64 {
+    failures_after_reply(status, headers, upstream, None)
+}
+
+/// As `failures_after`, with Envoy's `response.code_details` for the answer.
+fn failures_after_reply(
+    status: &str,
+    headers: &[(&str, &str)],
+    upstream: Option<&str>,
+    details: Option<&str>,
+) -> i64 {
     let vm = Vm::new(NO_DISAGG);
+    if let Some(d) = details {
+        vm.f()
+            .properties
+            .insert("response.code_details".into(), d.into());
+    }
     let (mut h, _) = vm.post("classify me");
     let d = chosen(&vm);
     let ep = ["10.0.0.1:8000", "10.0.0.2:8000"][usize::from(d)];
@@ -475,8 +495,97 @@ fn server_error_is_a_worker_failure() {
 }
 
 #[test]
-fn too_many_requests_is_a_worker_failure() {
-    assert_eq!(failures_after("429", &[], Some("same")), 1);
+fn too_many_requests_is_not_a_worker_failure() {
+    assert_eq!(failures_after("429", &[], Some("same")), 0);
+    let local = Some("local_rate_limited");
+    assert_eq!(failures_after_reply("429", &[], None, local), 0);
+}
+
+#[test]
+fn envoy_local_replies_are_not_worker_failures_but_upstream_5xx_are() {
+    for d in [
+        "upstream_reset_before_response_started{overflow}",
+        "no_healthy_upstream",
+    ] {
+        assert_eq!(failures_after_reply("503", &[], None, Some(d)), 0, "{d}");
+    }
+    let up = Some("via_upstream");
+    assert_eq!(failures_after_reply("503", &[], Some("same"), up), 1);
+    let refused = Some("upstream_reset_before_response_started{connection_failure}");
+    assert_eq!(failures_after_reply("503", &[], None, refused), 1);
+}
+
+/// Sets a request header to raw bytes (not expressible through `Vm::request`).
+fn raw_header(vm: &Vm, name: &str, value: &[u8]) {
+    let mut f = vm.f();
+    f.request.retain(|(k, _)| k != name);
+    f.request.push((name.to_string(), value.to_vec()));
+}
+
+#[test]
+fn header_values_that_are_not_utf8_pass_through_without_routing() {
+    let vm = Vm::new(NO_DISAGG);
+    vm.request("POST", "/", &[("x-kvroute-kv-transfer", "99")]);
+    raw_header(&vm, ":path", b"/v1/completions\xff\x80");
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, false), Action::Continue);
+    assert_eq!(h.on_http_request_body(5, true), Action::Continue);
+    // Still stripped, and nothing routed or held.
+    assert_eq!(vm.req_header("x-kvroute-kv-transfer"), None);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 0);
+    vm.request("POST", "/v1/completions", &[]);
+    raw_header(&vm, ":method", b"PO\xc3ST");
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, false), Action::Continue);
+
+    // A routed request whose answer carries bytes that are not UTF-8.
+    let (mut h, a) = vm.post("prompt with a bad answer");
+    assert_eq!(a, Action::Continue);
+    vm.answer(&mut h, "200", &[]);
+    {
+        let mut f = vm.f();
+        f.response = vec![
+            (":status".into(), b"2\xff0".to_vec()),
+            ("endpoint-load-metrics".into(), b"TEXT \xfe=1".to_vec()),
+            ("x-envoy-attempt-count".into(), b"\x80".to_vec()),
+        ];
+    }
+    assert_eq!(h.on_http_response_headers(3, false), Action::Continue);
+    vm.done(&mut h);
+    assert_eq!(vm.inflight(), 0);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 1);
+}
+
+#[test]
+fn other_spellings_of_a_route_are_routed_and_forwarded_canonical() {
+    let vm = Vm::new(NO_DISAGG);
+    let body = br#"{"model":"m","prompt":"slashes"}"#;
+    for (path, want) in [
+        ("/v1/completions/", "/v1/completions"),
+        ("//v1/completions?x=1", "/v1/completions?x=1"),
+        ("/v1/%63hat/completions/", "/v1/chat/completions"),
+    ] {
+        vm.request("POST", path, &[]);
+        vm.f().request_body = body.to_vec();
+        let mut h = vm.http();
+        assert_eq!(h.on_http_request_headers(3, false), Action::Pause, "{path}");
+        assert_eq!(vm.req_header(":path").as_deref(), Some(want), "{path}");
+        assert_eq!(h.on_http_request_body(body.len(), true), Action::Continue);
+        assert!(vm.req_header("x-kvroute-cluster").is_some(), "{path}");
+        assert_eq!(vm.inflight(), 1, "{path}: load accounted");
+        vm.done(&mut h);
+    }
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 2);
+    // The chat body is not a chat request: a parse fallback, still routed and counted.
+    assert_eq!(vm.counter("kvroute.requests.fallback.total"), 1);
+    // The canonical spelling is forwarded as sent.
+    vm.request("POST", "/v1/completions?y=2", &[]);
+    let mut h = vm.http();
+    assert_eq!(h.on_http_request_headers(3, false), Action::Pause);
+    assert_eq!(
+        vm.req_header(":path").as_deref(),
+        Some("/v1/completions?y=2")
+    );
 }
 
 #[test]
@@ -611,21 +720,21 @@ fn failed_host_calls_are_counted() {
     vm.f().failing.push("set_header");
     let (_h, a) = vm.post("errors");
     assert_eq!(a, Action::Continue);
-    // Three strips and two request headers (steering, ORCA) failed.
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 5);
+    // Five strips and two request headers (steering, ORCA) failed.
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 7);
     assert_eq!(vm.req_header("x-kvroute-cluster"), None);
     vm.f().failing.clear();
     let (mut h, _) = vm.post("errors");
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 5);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 7);
     vm.f().failing = vec!["property", "header"];
     vm.answer(&mut h, "200", &[]);
-    // :status, the ORCA header, the attempt count and the upstream address.
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 9);
+    // :status, the ORCA header, the attempt count, the upstream address, the code details.
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 12);
     // An unreadable :method passes the request through.
     vm.request("POST", "/v1/completions", &[]);
     let mut h = vm.http();
     assert_eq!(h.on_http_request_headers(2, false), Action::Continue);
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 11);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 14);
 }
 
 #[test]

@@ -34,6 +34,10 @@ pub struct Config {
     pub speedup: f64,
     pub role: Role,
     pub decode_endpoint_header: String,
+    /// Decode endpoints (`host:port`) a prefill worker may hand a request to; any other is
+    /// refused with 400, so a client cannot make it POST to an address of its choosing.
+    /// Empty: any endpoint (warned at startup for a prefill worker).
+    pub allowed_decode_endpoints: Vec<String>,
     pub kv_bytes_per_token: f64,
     pub kv_transfer_bandwidth: f64,
     pub threads: usize,
@@ -142,6 +146,7 @@ impl Default for Config {
             speedup: 1.0,
             role: Role::Both,
             decode_endpoint_header: "x-kvroute-decode-endpoint".into(),
+            allowed_decode_endpoints: Vec::new(),
             kv_bytes_per_token: 0.0,
             kv_transfer_bandwidth: 25e9,
             threads: 1,
@@ -218,6 +223,8 @@ Disaggregation:
                                worker named by the decode-endpoint header [default: both]
   --decode-endpoint-header H   Request header naming the decode worker as host:port
                                [default: x-kvroute-decode-endpoint]
+  --allowed-decode-endpoints L Comma-separated host:port list: the only decode workers a
+                               prefill worker hands off to (others get 400) [default: any]
   --kv-bytes-per-token N       KV size of one token, for the transfer delay [preset: 131072]
   --kv-transfer-bandwidth F    Prefill-to-decode bandwidth in bytes/s [default: 25e9]
 
@@ -302,6 +309,14 @@ impl Config {
                 "--decode-endpoint-header" => {
                     c.decode_endpoint_header = val()?.to_ascii_lowercase()
                 }
+                "--allowed-decode-endpoints" => {
+                    c.allowed_decode_endpoints = val()?
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|e| !e.is_empty())
+                        .map(String::from)
+                        .collect()
+                }
                 "--kv-bytes-per-token" => c.kv_bytes_per_token = num(&flag, &val()?)?,
                 "--kv-transfer-bandwidth" => c.kv_transfer_bandwidth = num(&flag, &val()?)?,
                 _ => return Err(format!("unknown flag {arg:?} (see --help)")),
@@ -341,6 +356,12 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// Whether a prefill worker may hand a request to `endpoint`.
+    pub fn decode_allowed(&self, endpoint: &str) -> bool {
+        self.allowed_decode_endpoints.is_empty()
+            || self.allowed_decode_endpoints.iter().any(|e| e == endpoint)
     }
 
     /// vLLM refuses to start when `max_model_len` exceeds what the KV cache can hold; the
@@ -389,6 +410,22 @@ mod tests {
         assert!(parse("--port").is_err());
         assert!(parse("--speedup 0").is_err());
         assert_eq!(parse("").unwrap().unwrap().worker_name(8001), "mock-8001");
+    }
+
+    #[test]
+    fn allowed_decode_endpoints_restrict_the_handoff() {
+        let any = parse("--role prefill").unwrap().unwrap();
+        assert!(any.decode_allowed("10.9.9.9:1"));
+        let c = parse("--role prefill --allowed-decode-endpoints 127.0.0.1:8001,,127.0.0.1:8002")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            c.allowed_decode_endpoints,
+            ["127.0.0.1:8001", "127.0.0.1:8002"]
+        );
+        assert!(c.decode_allowed("127.0.0.1:8002"));
+        assert!(!c.decode_allowed("127.0.0.1:8003"));
+        assert!(!c.decode_allowed("169.254.169.254:80"));
     }
 
     #[test]

@@ -70,6 +70,12 @@ pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
     if let Some(warning) = cfg.fit_context_to_kv() {
         eprintln!("mock-worker: warning: {warning}");
     }
+    if cfg.role == Role::Prefill && cfg.allowed_decode_endpoints.is_empty() {
+        eprintln!(
+            "mock-worker: warning: no --allowed-decode-endpoints: this prefill worker hands off to any {} a client names",
+            cfg.decode_endpoint_header
+        );
+    }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
     let name = cfg.worker_name(addr.port());
@@ -420,6 +426,22 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let cfg = &shared.cfg;
     let orca_fmt = req.headers().get(ORCA_FORMAT_HEADER).cloned();
     let decode_ep = header_str(&req, &cfg.decode_endpoint_header).map(str::to_string);
+    if let Some(ep) = decode_ep.as_deref() {
+        // Only a prefill worker acts on the header (POSTs to it): refuse any address outside
+        // its pool before reading the body.
+        if cfg.role == Role::Prefill && !cfg.decode_allowed(ep.trim()) {
+            return error(
+                &ApiError::bad(
+                    format!(
+                        "{}: {ep:?} is not an allowed decode endpoint",
+                        cfg.decode_endpoint_header
+                    ),
+                    None,
+                ),
+                name,
+            );
+        }
+    }
     let transferred = match header_str(&req, KV_TRANSFER_HEADER).map(|v| v.trim().parse::<usize>())
     {
         None => 0,

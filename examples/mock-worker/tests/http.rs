@@ -622,6 +622,63 @@ async fn prefill_hands_off_to_decode_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_hands_off_only_to_allowed_decode_endpoints() {
+    let d = worker("--speedup 20 --role decode --name dec").await;
+    let ep = d.addr.to_string();
+    // A listener the prefill worker must never contact.
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let trap_ep = trap.local_addr().unwrap().to_string();
+    let p = worker(&format!(
+        "--speedup 20 --role prefill --name pre --allowed-decode-endpoints 127.0.0.1:1,{ep}"
+    ))
+    .await;
+    let body = json!({"prompt": text(6, 300), "max_tokens": 3}).to_string();
+    let r = post(
+        p.addr,
+        "/v1/completions",
+        &body,
+        &[("x-kvroute-decode-endpoint", &trap_ep)],
+    )
+    .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["type"], "BadRequestError");
+    assert!(
+        r.body.contains("not an allowed decode endpoint"),
+        "{}",
+        r.body
+    );
+    assert!(
+        trap.accept().is_err(),
+        "the prefill worker connected to {trap_ep}"
+    );
+    let pm = get(p.addr, "/metrics").await.body;
+    assert_eq!(
+        metric(&pm, "vllm:prompt_tokens_total"),
+        0.0,
+        "nothing computed"
+    );
+    let ok = post(
+        p.addr,
+        "/v1/completions",
+        &body,
+        &[("x-kvroute-decode-endpoint", &ep)],
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert_eq!(ok.header("x-worker-id"), Some("dec"));
+    // A decode (or both) worker ignores the header, so it is not checked there.
+    let direct = post(
+        d.addr,
+        "/v1/completions",
+        &body,
+        &[("x-kvroute-decode-endpoint", &trap_ep)],
+    )
+    .await;
+    assert_eq!(direct.status, 200, "{}", direct.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_tokens_details_only_with_the_vllm_flag() {
     let body = json!({"prompt": text(9, 200), "max_tokens": 2}).to_string();
     let stream = stream_body(&text(9, 200), 2);
