@@ -128,14 +128,23 @@ RUN_DIR = os.path.join(ROOT, "build", "run")
 DEMO_WORKERS = envoyconf.demo_fleet()
 
 
+def worker_command(w: envoyconf.Upstream, fleet: list[envoyconf.Upstream]) -> list[str]:
+    """The mock worker for `w`. A prefill worker hands its KV only to the decode workers of
+    this fleet: a client cannot make it send requests to any address it names."""
+    cmd = [kvstack.MOCK, "--port", str(w.port), "--name", w.name, "--role", w.role,
+           "--speedup", "10", "--kv-blocks", str(w.kv_blocks), "--enable-prompt-tokens-details"]
+    if w.role == "prefill":
+        cmd += ["--allowed-decode-endpoints", ",".join(o.endpoint for o in fleet if o.role != "prefill")]
+    return cmd
+
+
 def run() -> int:
     stop(quiet=True)
     os.makedirs(RUN_DIR, exist_ok=True)
     pids = []
     for w in DEMO_WORKERS:
         log = open(os.path.join(RUN_DIR, f"{w.name}.log"), "wb")
-        p = subprocess.Popen([kvstack.MOCK, "--port", str(w.port), "--name", w.name, "--role", w.role,
-                              "--speedup", "10", "--kv-blocks", str(w.kv_blocks)], stdout=log, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(worker_command(w, DEMO_WORKERS), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         pids.append(p.pid)
     log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")

@@ -70,6 +70,19 @@ class Site:
     # 0s: no bound, a generation ends when the engine ends it.
     route_timeout: str = "0s"
     stream_idle_timeout: str = "600s"
+    # A client must send its whole request within request_timeout (its headers within
+    # request_headers_timeout): kvroute holds a stream paused until the body is in, so a client
+    # that stalls mid-body would otherwise hold it (and its buffer) for stream_idle_timeout.
+    # Envoy disarms request_timeout once the request has gone upstream, so a generation that
+    # runs for minutes afterwards is unaffected.
+    request_timeout: str = "60s"
+    request_headers_timeout: str = "10s"
+    # Overload manager: a ceiling on open client connections (Envoy warns at start without
+    # one) and on Envoy's heap (size it to the memory Envoy may use: each connection can buffer
+    # a 32 MiB prompt). Near the heap ceiling Envoy closes idle HTTP/1 connections, at it it
+    # answers new requests 503 instead of growing until the kernel kills it.
+    max_downstream_connections: int = 10000
+    max_heap_bytes: int = 4 << 30
     access_log: bool = False
     # Requests kvroute does not steer: round-robin over the decode workers (a pool cluster)
     # instead of the first decode worker's cluster (which fails over to the others).
@@ -232,6 +245,30 @@ def wasm_filter(site: Site, plugin: dict) -> dict:
     }
 
 
+def overload_manager(site: Site) -> dict:
+    heap = "envoy.resource_monitors.fixed_heap"
+
+    def on_heap(action: str, share: float) -> dict:
+        return {"name": f"envoy.overload_actions.{action}", "triggers": [{"name": heap, "threshold": {"value": share}}]}
+
+    return {
+        Note("Past max_active_downstream_connections Envoy refuses new client connections.\n"
+             "Heap: at 95 % of max_heap_size_bytes Envoy stops HTTP/1 keep-alive (clients\n"
+             "reconnect, idle connections go), at 98 % it answers new requests 503 until memory\n"
+             "is back below. Size max_heap_size_bytes to the memory Envoy may use."): None,
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {"name": heap, "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                "max_heap_size_bytes": site.max_heap_bytes}},
+            {"name": "envoy.resource_monitors.global_downstream_max_connections", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": site.max_downstream_connections}},
+        ],
+        "actions": [on_heap("disable_http_keepalive", 0.95), on_heap("stop_accepting_requests", 0.98)],
+    }
+
+
 def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
               lb_policy: str = "ROUND_ROBIN") -> dict:
     """An Envoy bootstrap. With `plugin` (kvroute's configuration) the wasm filter picks the
@@ -276,8 +313,24 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
     hcm: dict = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
+        Note("This is the edge: the client is the peer of the TCP connection, not whatever its\n"
+             "x-forwarded-for says, and no client address counts as internal (no\n"
+             "internal_address_config: Envoy 1.40 then trusts none; an empty one would make\n"
+             "loopback and RFC 1918 clients internal). Envoy therefore drops the x-envoy-* request\n"
+             "headers a client sends (x-envoy-upstream-rq-timeout-ms, x-envoy-retry-on,\n"
+             "x-envoy-max-retries, ...) instead of letting it change timeouts and retries.\n"
+             "Behind a trusted load balancer that appends to x-forwarded-for, raise\n"
+             "xff_num_trusted_hops to the number of such hops."): None,
+        "use_remote_address": True,
+        "xff_num_trusted_hops": 0,
         Note("Generation streams for minutes: no idle cut-off shorter than that."): None,
         "stream_idle_timeout": site.stream_idle_timeout,
+        Note("But the request itself must arrive in time: kvroute holds a stream paused until the\n"
+             "body is in, so a client that stalls mid-body gets 408 here instead of holding it for\n"
+             "the idle timeout. Envoy disarms request_timeout once the request went upstream,\n"
+             "so it does not bound the generation."): None,
+        "request_timeout": site.request_timeout,
+        "request_headers_timeout": site.request_headers_timeout,
     }
     if site.access_log:
         hcm["access_log"] = [{
@@ -304,6 +357,7 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
              "labels, kvroute_worker_decisions_total{worker=\"decode-1\"}: the first capture group is\n"
              "cut out of the name, the inner one is the label value.")] = None
     doc["stats_config"] = {"stats_tags": [{"tag_name": t, "regex": r} for t, r in STATS_TAGS]}
+    doc["overload_manager"] = overload_manager(site)
     doc["static_resources"] = {
         "listeners": [{
             "name": "inference",
@@ -431,7 +485,11 @@ GENERATED = "Generated by scripts/envoyconf.py (`make generate`); edit that file
 # The demo fleet of `make run` and the compose quickstart: four decode workers, a prefill pool.
 DEMO_WORKERS = [("decode-1", "decode"), ("decode-2", "decode"), ("decode-3", "decode"), ("decode-4", "decode"),
                 ("prefill-1", "prefill"), ("prefill-2", "prefill")]
-DEMO_OPTIONS = {"block_size": 16, "disaggregation": {"threshold_tokens": 5000}, "debug_headers": True}
+DEMO_OPTIONS = {"block_size": 16, "disaggregation": {"threshold_tokens": 5000},
+                # Off where anyone can connect: x-kvroute-predicted-cached-tokens and friends
+                # would tell any client whether someone recently sent a given prefix. Workers
+                # name themselves in x-worker-id (and x-prefill-worker-id after a hand-off).
+                "debug_headers": False}
 
 
 def demo_fleet() -> list[Upstream]:
@@ -473,8 +531,8 @@ def _bench_sample() -> tuple[list[Upstream], Site]:
     return fleet, bench_site(10000, 9901, "build/kvroute.wasm")
 
 
-def files() -> dict[str, str]:
-    """Every committed file this module owns: path relative to the repository -> content."""
+def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
+    """What each generated bootstrap is made of: path -> (site, fleet, kvroute configuration)."""
     head = [GENERATED, ""]
     demo = Site(header=head + [
         "kvroute demo stack (`make run`): Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901) in front of",
@@ -508,11 +566,16 @@ def files() -> dict[str, str]:
     demo_plugin = {"workers": plugin_workers(demo_fleet()), **DEMO_OPTIONS}
     compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS}
     return {
-        "envoy/demo.yaml": to_yaml(bootstrap(demo, demo_fleet(), demo_plugin)),
-        "examples/docker-compose/envoy.yaml": to_yaml(bootstrap(compose, compose_fleet(), compose_plugin)),
-        "bench/envoy/kvroute.yaml": to_yaml(bootstrap(bench, bench_fleet, bench_plugin(bench_fleet, 16))),
-        "bench/envoy/baseline.yaml": to_yaml(bootstrap(baseline, bench_fleet, None)),
+        "envoy/demo.yaml": (demo, demo_fleet(), demo_plugin),
+        "examples/docker-compose/envoy.yaml": (compose, compose_fleet(), compose_plugin),
+        "bench/envoy/kvroute.yaml": (bench, bench_fleet, bench_plugin(bench_fleet, 16)),
+        "bench/envoy/baseline.yaml": (baseline, bench_fleet, None),
     }
+
+
+def files() -> dict[str, str]:
+    """Every committed file this module owns: path relative to the repository -> content."""
+    return {path: to_yaml(bootstrap(*parts)) for path, parts in shipped().items()}
 
 
 # Files that carry the Envoy version as a default for users who run them without make.

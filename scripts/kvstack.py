@@ -82,12 +82,13 @@ class Worker:
 
 
 def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict | None,
-                 policy: str = "ROUND_ROBIN") -> dict:
+                 policy: str = "ROUND_ROBIN", site: dict | None = None) -> dict:
     """Envoy bootstrap (scripts/envoyconf.py, the same generator as envoy/demo.yaml). With
     `kvroute` (the plugin config) the wasm filter steers by cluster header; without it every
-    decode worker sits in one cluster balanced by `policy`."""
+    decode worker sits in one cluster balanced by `policy`. `site`: envoyconf.Site fields
+    to change (timeouts, limits)."""
     fleet = [envoyconf.Upstream(w.name, "127.0.0.1", w.port, w.role, w.kv_blocks) for w in workers]
-    site = envoyconf.Site(listen=("127.0.0.1", listen), admin=("127.0.0.1", admin), wasm=WASM)
+    site = envoyconf.Site(listen=("127.0.0.1", listen), admin=("127.0.0.1", admin), wasm=WASM, **(site or {}))
     return envoyconf.plain(envoyconf.bootstrap(site, fleet, kvroute, policy))
 
 
@@ -109,8 +110,10 @@ class Stack:
     """Mock workers and an Envoy in front of them, on free loopback ports."""
 
     def __init__(self, workers: list[Worker], kvroute: dict | None = None, policy: str = "ROUND_ROBIN",
-                 speedup: float = 20.0, concurrency: int = 2, listen: int = 0, admin: int = 0):
+                 speedup: float = 20.0, concurrency: int = 2, listen: int = 0, admin: int = 0,
+                 site: dict | None = None):
         self.workers = workers
+        self.site = site
         self.kvroute_overrides = kvroute
         self.policy = policy
         self.speedup = speedup
@@ -137,7 +140,7 @@ class Stack:
     def start_envoy(self) -> "Stack":
         """Only Envoy, in front of workers that are already running."""
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
-        cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy)
+        cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, self.site)
         path = os.path.join(self.dir, "envoy.json")
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
