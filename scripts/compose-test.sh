@@ -181,44 +181,47 @@ fi
 code=$(curl -s -m 10 -o "$tmp/models.b" -D "$tmp/models.h" -w '%{http_code}' "$base/v1/models" || echo 000)
 check "GET /v1/models passes through (HTTP $code)" test "$code" = 200
 
-# ---- 2. prefix affinity: one prompt (~750 tokens, below the prefill threshold) five times
+# ---- 2. prefix affinity: one prompt (~750 tokens, below the prefill threshold) five times.
+# The shipped config has kvroute's debug headers off; each worker names itself in x-worker-id.
 prompt "$tmp/affine.json" affinity 3000
-affine_workers=()
 affine_served=()
 affine_ok=1
 for i in 1 2 3 4 5; do
     code=$(post /v1/completions "$tmp/affine.json" "affine$i")
     [ "$code" = 200 ] || affine_ok=0
-    affine_workers+=("$(hdr "affine$i" x-kvroute-worker)")
     affine_served+=("$(hdr "affine$i" x-worker-id)")
 done
-affine=${affine_workers[0]}
+affine=${affine_served[0]}
 check "completions answer 200 through kvroute" test "$affine_ok" = 1
-check "responses name the chosen worker (x-kvroute-worker: ${affine:-absent})" test -n "$affine"
+debug=$(grep -il '^x-kvroute-' "$tmp"/affine*.h | wc -l)
+check "no kvroute debug headers reach clients ($debug of 5 responses carry x-kvroute-*)" test "$debug" = 0
+check "responses name the serving worker (x-worker-id: ${affine:-absent})" test -n "$affine"
 same=1
 for i in 0 1 2 3 4; do
-    [ "${affine_workers[$i]}" = "$affine" ] && [ "${affine_served[$i]}" = "$affine" ] || same=0
+    [ "${affine_served[$i]}" = "$affine" ] || same=0
 done
-check "same prompt x5 -> same worker (${affine_workers[*]}; served by ${affine_served[*]})" \
-    test "$same" = 1 -a -n "$affine"
+check "same prompt x5 -> same worker (served by ${affine_served[*]})" test "$same" = 1 -a -n "$affine"
 c5=$(cached affine5)
 check "repeat hits the worker's prefix cache (cached_tokens $c5 of the 5th request)" test "$c5" -gt 0
 
 # ---- 3. disaggregation: a cold ~28k-char prompt (~6000+ tokens > threshold 5000)
 prompt "$tmp/long.json" "long-$project" 28000
 code=$(post /v1/completions "$tmp/long.json" long1)
-pw=$(hdr long1 x-kvroute-prefill-worker)
-dw=$(hdr long1 x-kvroute-worker)
+# A prefill worker that hands off relays the decode worker's response: x-worker-id is the
+# decode worker, and the prefill worker adds its own name in x-prefill-worker-id.
+pw=$(hdr long1 x-prefill-worker-id)
+dw=$(hdr long1 x-worker-id)
 check "long cold prompt answers 200 (HTTP $code)" test "$code" = 200
-check "long cold prompt goes to the prefill pool (x-kvroute-prefill-worker: ${pw:-absent})" \
-    test -n "$pw"
-# The mock prefill worker stamps its own name, and the decode worker's id comes back in
-# x-worker-id: proof the request really took the prefill -> decode path kvroute chose.
-check "prefill worker handed off to the chosen decode worker (prefill $(hdr long1 x-prefill-worker-id), decode $(hdr long1 x-worker-id), chosen ${dw:-?})" \
-    test -n "$(hdr long1 x-prefill-worker-id)" -a "$(hdr long1 x-worker-id)" = "$dw" -a -n "$dw"
+check "long cold prompt goes to the prefill pool, which hands off to a decode worker (prefill ${pw:-absent}, decode ${dw:-absent})" \
+    bash -c '[[ $0 == prefill-[12] && $1 == decode-[1-4] ]]' "$pw" "$dw"
+# Again: kvroute knows the KV now sits on $dw, so it goes there directly (no prefill) and
+# the decode worker finds almost all of the prompt cached: proof the hand-off went where
+# kvroute decided.
 code=$(post /v1/completions "$tmp/long.json" long2)
-check "same long prompt again stays on $dw without prefill (worker $(hdr long2 x-kvroute-worker), prefill '$(hdr long2 x-kvroute-prefill-worker)', cached $(cached long2))" \
-    test "$code" = 200 -a "$(hdr long2 x-kvroute-worker)" = "$dw" -a -z "$(hdr long2 x-kvroute-prefill-worker)"
+c2=$(cached long2)
+p2=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["prompt_tokens"])' "$tmp/long2.b" 2>/dev/null || echo 0)
+check "same long prompt again stays on $dw without prefill (worker $(hdr long2 x-worker-id), prefill '$(hdr long2 x-prefill-worker-id)', cached $c2 of $p2)" \
+    test "$code" = 200 -a "$(hdr long2 x-worker-id)" = "$dw" -a -z "$(hdr long2 x-prefill-worker-id)" -a "$c2" -gt $((p2 * 9 / 10))
 
 # ---- 4. streaming chat goes through Envoy intact
 cat >"$tmp/chat.json" <<'EOF'
@@ -269,8 +272,6 @@ else
     done
     check "with $victim dead, $fo_ok/$fo_total requests answered 200 by live workers ($retried needed a retry; served by ${served_by[*]})" \
         test "$fo_ok" = "$fo_total"
-    # Informational: whether kvroute itself has stopped choosing the dead worker yet.
-    say "info kvroute chose after the kill: $(for f in "$tmp"/fo-late-*.h; do n=$(basename "$f" .h); printf '%s ' "$(hdr "$n" x-kvroute-worker)"; done)"
 fi
 
 # ---- 7. teardown leaves nothing behind
