@@ -199,7 +199,10 @@ def rate_limit(cfg):
     """A local rate limiter of one request per minute, after kvroute (so kvroute has routed
     the request when the limiter answers 429), like a per-tenant limit."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    pct = lambda n: {"default_value": {"numerator": n, "denominator": "HUNDRED"}, "runtime_key": "rl"}
+
+    def pct(n):
+        return {"default_value": {"numerator": n, "denominator": "HUNDRED"}, "runtime_key": "rl"}
+
     hcm["http_filters"].insert(len(hcm["http_filters"]) - 1, {
         "name": "envoy.filters.http.local_ratelimit",
         "typed_config": {
