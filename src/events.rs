@@ -88,10 +88,25 @@ pub fn encode(sent_ns: u64, events: &[Event]) -> Vec<u8> {
     out
 }
 
+impl Event {
+    fn tag(&self) -> u8 {
+        match self {
+            Event::Routed(_) => TAG_ROUTED,
+            Event::PrefillDone { .. } => TAG_PREFILL_DONE,
+            Event::Free { .. } => TAG_FREE,
+            Event::Report { .. } => TAG_REPORT,
+            Event::Failed { .. } => TAG_FAILED,
+            Event::Recovered { .. } => TAG_RECOVERED,
+            Event::Forget { .. } => TAG_FORGET,
+            Event::Calibrate { .. } => TAG_CALIBRATE,
+        }
+    }
+}
+
 fn encode_one(e: &Event, o: &mut Vec<u8>) {
+    o.push(e.tag());
     match e {
         Event::Routed(r) => {
-            o.push(TAG_ROUTED);
             put_u64(o, r.id);
             put_u64(o, r.now_ms);
             put_u16(o, r.worker);
@@ -101,16 +116,8 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u32(o, r.prefill_tokens);
             put_hashes(o, &r.blocks);
         }
-        Event::PrefillDone { id } => {
-            o.push(TAG_PREFILL_DONE);
-            put_u64(o, *id);
-        }
-        Event::Free { id } => {
-            o.push(TAG_FREE);
-            put_u64(o, *id);
-        }
+        Event::PrefillDone { id } | Event::Free { id } => put_u64(o, *id),
         Event::Report { worker, report } => {
-            o.push(TAG_REPORT);
             put_u16(o, *worker);
             put_u32(o, report.kv_usage.to_bits());
             put_u32(o, report.waiting);
@@ -118,23 +125,15 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u64(o, report.at_ms);
         }
         Event::Failed { worker, at_ms } => {
-            o.push(TAG_FAILED);
             put_u16(o, *worker);
             put_u64(o, *at_ms);
         }
-        Event::Recovered { worker } => {
-            o.push(TAG_RECOVERED);
-            put_u16(o, *worker);
-        }
+        Event::Recovered { worker } => put_u16(o, *worker),
         Event::Forget { worker, hashes } => {
-            o.push(TAG_FORGET);
             put_u16(o, *worker);
             put_hashes(o, hashes);
         }
-        Event::Calibrate { chars_per_token } => {
-            o.push(TAG_CALIBRATE);
-            put_u64(o, chars_per_token.to_bits());
-        }
+        Event::Calibrate { chars_per_token } => put_u64(o, chars_per_token.to_bits()),
     }
 }
 

@@ -137,6 +137,15 @@ struct WorkerLoad {
 }
 
 impl WorkerLoad {
+    /// The predicted prefill of request `id` (`tokens`) is no longer pending here.
+    fn prefill_finished(&mut self, id: RequestId, tokens: u32) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(u64::from(tokens));
+        self.pending.retain(|x| *x != id);
+        if self.pending.is_empty() {
+            self.prefill_horizon_ms = 0;
+        }
+    }
+
     /// Bounds the block map's allocation after releases.
     fn trim(&mut self) {
         let cap = self.block_refs.capacity();
@@ -271,13 +280,7 @@ impl LoadTable {
         }
         a.prefill_pending = false;
         if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
-            pw.prefill_tokens = pw
-                .prefill_tokens
-                .saturating_sub(u64::from(a.prefill_tokens));
-            pw.pending.retain(|x| *x != id);
-            if pw.pending.is_empty() {
-                pw.prefill_horizon_ms = 0;
-            }
+            pw.prefill_finished(id, a.prefill_tokens);
         }
         if a.charged < a.blocks.len() {
             if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
@@ -302,13 +305,7 @@ impl LoadTable {
             // What `prefill_done` does, except charging the rest of the blocks only to release
             // them right away.
             if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
-                pw.prefill_tokens = pw
-                    .prefill_tokens
-                    .saturating_sub(u64::from(a.prefill_tokens));
-                pw.pending.retain(|x| *x != id);
-                if pw.pending.is_empty() {
-                    pw.prefill_horizon_ms = 0;
-                }
+                pw.prefill_finished(id, a.prefill_tokens);
             }
         }
         if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
