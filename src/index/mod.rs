@@ -153,7 +153,10 @@ impl PrefixIndex {
                 None => [0; 4],
             };
             let run = u32::try_from(i).unwrap_or(u32::MAX);
-            for (k, (a, h)) in active.iter_mut().zip(held).enumerate() {
+            for k in 0..4 {
+                let (Some(a), Some(&h)) = (active.get_mut(k), held.get(k)) else {
+                    continue;
+                };
                 let mut dropped = *a & !h;
                 while dropped != 0 {
                     let w = k * 64 + dropped.trailing_zeros() as usize;

@@ -324,7 +324,8 @@ impl SlotTable {
         mut hit: impl FnMut(&mut Line) -> bool,
     ) -> Option<usize> {
         let mut i = home;
-        for steps in 0..self.lines.len() {
+        let mut steps = 0usize;
+        loop {
             let line = self.lines.get_mut(i)?;
             if hit(line) {
                 return Some(steps);
@@ -332,9 +333,12 @@ impl SlotTable {
             if !to_end && line.spill() == 0 {
                 return None;
             }
+            steps += 1;
+            if steps >= self.lines.len() {
+                return None;
+            }
             i = self.next(i);
         }
-        None
     }
 
     /// A key stored `steps` lines past its home line is counted in the spill of each line
