@@ -255,6 +255,7 @@ impl Router {
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
             now_ms,
         };
+        // Load is charged now; the index insert waits in `pending` for `flush`.
         self.load.add(&routed);
         let hashes = routed.blocks.clone();
         self.pending
@@ -654,6 +655,27 @@ mod tests {
         let mut r = Router::new(cfg(""), 1, 3);
         let d = routed(r.route(ApiKind::Completions, b"{not json", 0));
         assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("parse_error"));
+        assert_eq!(r.worker_view(d.target, 0).inflight, 1);
+        r.on_finish(&d, 1);
+        assert_eq!(r.load().totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn unusable_costs_fall_back_as_no_candidates() {
+        // Every cost overflows to infinity, so scoring cannot rank the workers.
+        let mut r = Router::new(
+            cfg(
+                r#","scoring":{"prefill_load_scale":1e308},"disaggregation":{"threshold_tokens":0}"#,
+            ),
+            1,
+            3,
+        );
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(7, 8000)), 0));
+        assert_eq!(d.fallback, Some(Fallback::NoCandidates));
+        assert_eq!(
+            d.fallback.as_ref().map(Fallback::kind),
+            Some("no_candidates")
+        );
         assert_eq!(r.worker_view(d.target, 0).inflight, 1);
         r.on_finish(&d, 1);
         assert_eq!(r.load().totals(), (0, 0, 0));
