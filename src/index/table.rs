@@ -293,21 +293,26 @@ impl SlotTable {
 
     #[inline]
     fn place(&mut self, m: u64, v: u32) -> bool {
-        let t = tag_of(m);
         let home = self.home(m);
-        let stored = self.walk_mut(home, true, |line| {
-            let Some(j) = line.hits(0).next() else {
+        let mut i = home;
+        let mut steps = 0usize;
+        loop {
+            let Some(line) = self.lines.get_mut(i) else {
                 return false;
             };
-            line.set_tag(j, t);
-            if let Some(val) = line.vals.get_mut(j) {
-                *val = v;
+            if let Some(j) = line.hits(0).next() {
+                line.set_tag(j, tag_of(m));
+                if let Some(val) = line.vals.get_mut(j) {
+                    *val = v;
+                }
+                break;
             }
-            true
-        });
-        let Some(steps) = stored else {
-            return false;
-        };
+            steps += 1;
+            if steps >= self.lines.len() {
+                return false;
+            }
+            i = self.next(i);
+        }
         self.count_spill(home, steps, true);
         self.len += 1;
         true
