@@ -736,17 +736,18 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
     let mut lt = LoadTable::new(b.workers, LoadParams::default());
     let (mut t_add, mut t_free) = (Vec::new(), Vec::new());
     for (i, h) in all_hashes.iter().enumerate() {
-        let t = Instant::now();
-        lt.add(&NewRequest {
+        let req = NewRequest {
             id: i as u64 + 1,
             worker: (i % b.workers) as u16,
             prefill_worker: None,
-            blocks: h,
+            blocks: h.clone(),
             cached_blocks: 0,
             tail_blocks: 16,
             prefill_tokens: 1000,
             now_ms: T0 + i as u64,
-        });
+        };
+        let t = Instant::now();
+        lt.add(&req);
         t_add.push(t.elapsed().as_nanos() as u64);
         if i >= INFLIGHT {
             let t = Instant::now();

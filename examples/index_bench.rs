@@ -5,7 +5,8 @@
 //! 1800 unique blocks (2000 blocks), routed to one worker, every other chain also to a second
 //! worker (1.5 holders per unique block), until 1M distinct blocks are indexed.
 
-use kvroute::index::{PrefixIndex, WorkerId};
+use kvroute::ids::WorkerId;
+use kvroute::index::PrefixIndex;
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -9,8 +9,7 @@
 
 /// Weight of one report in a worker's EMA: one odd request must not swing the estimate.
 const ALPHA: f64 = 0.1;
-/// The range a bytes-per-token figure can plausibly take (config validates the same).
-pub const RANGE: std::ops::RangeInclusive<f64> = 0.5..=64.0;
+use crate::ids::CHARS_PER_TOKEN_RANGE as RANGE;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Calibrator {

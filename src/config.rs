@@ -4,11 +4,9 @@
 //! Unknown keys are rejected: a typo such as `"temprature"` must fail loudly at load time
 //! instead of silently running with the default.
 
+use crate::ids::{CHARS_PER_TOKEN_RANGE, DEFAULT_CHARS_PER_TOKEN, MAX_WORKERS};
 use core::fmt;
 use serde::Deserialize;
-
-/// Upper bound on workers (decode plus prefill); the index's worker sets are sized for it.
-pub const MAX_WORKERS: usize = crate::index::MAX_WORKERS;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -43,7 +41,7 @@ impl Default for Config {
         Self {
             workers: Vec::new(),
             block_size: 16,
-            chars_per_token: 4.0,
+            chars_per_token: DEFAULT_CHARS_PER_TOKEN,
             routes: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             models: Vec::new(),
             steering: SteeringConfig::default(),
@@ -356,7 +354,7 @@ impl Config {
                     "must be non-empty letters, digits, '-' or '_'",
                 ));
             }
-            if let Some(j) = self.workers[..i].iter().position(|o| o.name == w.name) {
+            if let Some(j) = self.workers.iter().take(i).position(|o| o.name == w.name) {
                 return Err(err(
                     at("name"),
                     format!("duplicate of workers[{j}].name {:?}", w.name),
@@ -390,8 +388,14 @@ impl Config {
         if self.block_size == 0 || self.block_size > 4096 {
             return Err(err("block_size", "must be between 1 and 4096"));
         }
-        if !(self.chars_per_token.is_finite() && (0.5..=64.0).contains(&self.chars_per_token)) {
-            return Err(err("chars_per_token", "must be between 0.5 and 64"));
+        if !(self.chars_per_token.is_finite()
+            && CHARS_PER_TOKEN_RANGE.contains(&self.chars_per_token))
+        {
+            let (lo, hi) = (CHARS_PER_TOKEN_RANGE.start(), CHARS_PER_TOKEN_RANGE.end());
+            return Err(err(
+                "chars_per_token",
+                format!("must be between {lo} and {hi}"),
+            ));
         }
         if self.routes.is_empty() {
             return Err(err("routes", "at least one path is required"));

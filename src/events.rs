@@ -7,38 +7,37 @@
 //! batch. Decoding never panics: a short or unknown message yields an error and
 //! the rest of that message is dropped.
 
-use crate::index::WorkerId;
-use crate::load::RequestId;
+use crate::ids::{RequestId, WorkerId};
+use crate::load::{NewRequest, Report};
 
 const VERSION: u8 = 1;
 const NO_WORKER: u16 = u16::MAX;
 const NO_COUNT: u32 = u32::MAX;
 
+/// Wire tags of the events; part of the message format, never renumbered.
+const TAG_ROUTED: u8 = 1;
+const TAG_PREFILL_DONE: u8 = 2;
+const TAG_FREE: u8 = 3;
+const TAG_REPORT: u8 = 4;
+const TAG_FAILED: u8 = 5;
+const TAG_RECOVERED: u8 = 6;
+const TAG_FORGET: u8 = 7;
+const TAG_CALIBRATE: u8 = 8;
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A routing decision: charge load and record the prompt as cached on the workers.
-    Routed {
-        id: RequestId,
-        now_ms: u64,
-        worker: WorkerId,
-        prefill_worker: Option<WorkerId>,
-        cached_blocks: u32,
-        tail_blocks: u32,
-        prefill_tokens: u32,
-        hashes: Vec<u64>,
-    },
+    Routed(NewRequest),
     PrefillDone {
         id: RequestId,
     },
     Free {
         id: RequestId,
     },
+    /// A worker's own load report.
     Report {
         worker: WorkerId,
-        kv_usage: f32,
-        waiting: u32,
-        running: Option<u32>,
-        at_ms: u64,
+        report: Report,
     },
     Failed {
         worker: WorkerId,
@@ -89,68 +88,52 @@ pub fn encode(sent_ns: u64, events: &[Event]) -> Vec<u8> {
     out
 }
 
+impl Event {
+    fn tag(&self) -> u8 {
+        match self {
+            Event::Routed(_) => TAG_ROUTED,
+            Event::PrefillDone { .. } => TAG_PREFILL_DONE,
+            Event::Free { .. } => TAG_FREE,
+            Event::Report { .. } => TAG_REPORT,
+            Event::Failed { .. } => TAG_FAILED,
+            Event::Recovered { .. } => TAG_RECOVERED,
+            Event::Forget { .. } => TAG_FORGET,
+            Event::Calibrate { .. } => TAG_CALIBRATE,
+        }
+    }
+}
+
 fn encode_one(e: &Event, o: &mut Vec<u8>) {
+    o.push(e.tag());
     match e {
-        Event::Routed {
-            id,
-            now_ms,
-            worker,
-            prefill_worker,
-            cached_blocks,
-            tail_blocks,
-            prefill_tokens,
-            hashes,
-        } => {
-            o.push(1);
-            put_u64(o, *id);
-            put_u64(o, *now_ms);
+        Event::Routed(r) => {
+            put_u64(o, r.id);
+            put_u64(o, r.now_ms);
+            put_u16(o, r.worker);
+            put_u16(o, r.prefill_worker.unwrap_or(NO_WORKER));
+            put_u32(o, r.cached_blocks);
+            put_u32(o, r.tail_blocks);
+            put_u32(o, r.prefill_tokens);
+            put_hashes(o, &r.blocks);
+        }
+        Event::PrefillDone { id } | Event::Free { id } => put_u64(o, *id),
+        Event::Report { worker, report } => {
             put_u16(o, *worker);
-            put_u16(o, prefill_worker.unwrap_or(NO_WORKER));
-            put_u32(o, *cached_blocks);
-            put_u32(o, *tail_blocks);
-            put_u32(o, *prefill_tokens);
-            put_hashes(o, hashes);
-        }
-        Event::PrefillDone { id } => {
-            o.push(2);
-            put_u64(o, *id);
-        }
-        Event::Free { id } => {
-            o.push(3);
-            put_u64(o, *id);
-        }
-        Event::Report {
-            worker,
-            kv_usage,
-            waiting,
-            running,
-            at_ms,
-        } => {
-            o.push(4);
-            put_u16(o, *worker);
-            put_u32(o, kv_usage.to_bits());
-            put_u32(o, *waiting);
-            put_u32(o, running.unwrap_or(NO_COUNT));
-            put_u64(o, *at_ms);
+            put_u32(o, report.kv_usage.to_bits());
+            put_u32(o, report.waiting);
+            put_u32(o, report.running.unwrap_or(NO_COUNT));
+            put_u64(o, report.at_ms);
         }
         Event::Failed { worker, at_ms } => {
-            o.push(5);
             put_u16(o, *worker);
             put_u64(o, *at_ms);
         }
-        Event::Recovered { worker } => {
-            o.push(6);
-            put_u16(o, *worker);
-        }
+        Event::Recovered { worker } => put_u16(o, *worker),
         Event::Forget { worker, hashes } => {
-            o.push(7);
             put_u16(o, *worker);
             put_hashes(o, hashes);
         }
-        Event::Calibrate { chars_per_token } => {
-            o.push(8);
-            put_u64(o, chars_per_token.to_bits());
-        }
+        Event::Calibrate { chars_per_token } => put_u64(o, chars_per_token.to_bits()),
     }
 }
 
@@ -172,7 +155,7 @@ pub fn decode(msg: &[u8]) -> Result<(u64, Vec<Event>), DecodeError> {
 fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
     let t = DecodeError::Truncated;
     Ok(match tag {
-        1 => {
+        TAG_ROUTED => {
             let id = r.u64().ok_or(t)?;
             let now_ms = r.u64().ok_or(t)?;
             let worker = r.u16().ok_or(t)?;
@@ -180,26 +163,25 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             let cached_blocks = r.u32().ok_or(t)?;
             let tail_blocks = r.u32().ok_or(t)?;
             let prefill_tokens = r.u32().ok_or(t)?;
-            let hashes = r.hashes().ok_or(t)?;
-            let prefill_worker = (pw != NO_WORKER).then_some(pw);
-            Event::Routed {
+            let blocks = r.hashes().ok_or(t)?;
+            Event::Routed(NewRequest {
                 id,
-                now_ms,
                 worker,
-                prefill_worker,
+                prefill_worker: (pw != NO_WORKER).then_some(pw),
+                blocks,
                 cached_blocks,
                 tail_blocks,
                 prefill_tokens,
-                hashes,
-            }
+                now_ms,
+            })
         }
-        2 => Event::PrefillDone {
+        TAG_PREFILL_DONE => Event::PrefillDone {
             id: r.u64().ok_or(t)?,
         },
-        3 => Event::Free {
+        TAG_FREE => Event::Free {
             id: r.u64().ok_or(t)?,
         },
-        4 => {
+        TAG_REPORT => {
             let worker = r.u16().ok_or(t)?;
             let kv_usage = f32::from_bits(r.u32().ok_or(t)?);
             let waiting = r.u32().ok_or(t)?;
@@ -207,24 +189,26 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             let at_ms = r.u64().ok_or(t)?;
             Event::Report {
                 worker,
-                kv_usage,
-                waiting,
-                running: (running != NO_COUNT).then_some(running),
-                at_ms,
+                report: Report {
+                    kv_usage,
+                    waiting,
+                    running: (running != NO_COUNT).then_some(running),
+                    at_ms,
+                },
             }
         }
-        5 => Event::Failed {
+        TAG_FAILED => Event::Failed {
             worker: r.u16().ok_or(t)?,
             at_ms: r.u64().ok_or(t)?,
         },
-        6 => Event::Recovered {
+        TAG_RECOVERED => Event::Recovered {
             worker: r.u16().ok_or(t)?,
         },
-        7 => Event::Forget {
+        TAG_FORGET => Event::Forget {
             worker: r.u16().ok_or(t)?,
             hashes: r.hashes().ok_or(t)?,
         },
-        8 => Event::Calibrate {
+        TAG_CALIBRATE => Event::Calibrate {
             chars_per_token: f64::from_bits(r.u64().ok_or(t)?),
         },
         other => return Err(DecodeError::UnknownTag(other)),
@@ -299,7 +283,7 @@ mod tests {
 
     fn all() -> Vec<Event> {
         vec![
-            Event::Routed {
+            Event::Routed(NewRequest {
                 id: 1 << 48 | 7,
                 now_ms: 123,
                 worker: 3,
@@ -307,9 +291,9 @@ mod tests {
                 cached_blocks: 2,
                 tail_blocks: 17,
                 prefill_tokens: 900,
-                hashes: vec![1, u64::MAX, 42],
-            },
-            Event::Routed {
+                blocks: vec![1, u64::MAX, 42],
+            }),
+            Event::Routed(NewRequest {
                 id: 2,
                 now_ms: 0,
                 worker: 0,
@@ -317,23 +301,27 @@ mod tests {
                 cached_blocks: 0,
                 tail_blocks: 0,
                 prefill_tokens: 0,
-                hashes: vec![],
-            },
+                blocks: vec![],
+            }),
             Event::PrefillDone { id: 9 },
             Event::Free { id: 9 },
             Event::Report {
                 worker: 1,
-                kv_usage: 0.25,
-                waiting: 3,
-                running: Some(4),
-                at_ms: 77,
+                report: Report {
+                    kv_usage: 0.25,
+                    waiting: 3,
+                    running: Some(4),
+                    at_ms: 77,
+                },
             },
             Event::Report {
                 worker: 1,
-                kv_usage: 0.5,
-                waiting: 0,
-                running: None,
-                at_ms: 78,
+                report: Report {
+                    kv_usage: 0.5,
+                    waiting: 0,
+                    running: None,
+                    at_ms: 78,
+                },
             },
             Event::Failed {
                 worker: 2,
@@ -348,6 +336,58 @@ mod tests {
                 chars_per_token: 4.25,
             },
         ]
+    }
+
+    /// The bytes on the wire, written out by hand: peers of different builds may share a
+    /// queue during a rolling reload, so the format must not drift with refactors.
+    #[test]
+    fn wire_format_is_fixed() {
+        let evs = [
+            Event::Routed(NewRequest {
+                id: 7,
+                now_ms: 9,
+                worker: 3,
+                prefill_worker: None,
+                cached_blocks: 2,
+                tail_blocks: 1,
+                prefill_tokens: 5,
+                blocks: vec![0xAB],
+            }),
+            Event::Report {
+                worker: 2,
+                report: Report {
+                    kv_usage: 0.5,
+                    waiting: 3,
+                    running: None,
+                    at_ms: 11,
+                },
+            },
+        ];
+        let hex: String = encode(0x0102, &evs)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            hex,
+            "01\
+             0201000000000000\
+             01\
+             0700000000000000\
+             0900000000000000\
+             0300\
+             ffff\
+             02000000\
+             01000000\
+             05000000\
+             01000000\
+             ab00000000000000\
+             04\
+             0200\
+             0000003f\
+             03000000\
+             ffffffff\
+             0b00000000000000"
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod config;
 pub mod events;
 pub mod feedback;
 pub mod hashing;
+pub mod ids;
 pub mod index;
 pub mod load;
 pub mod replication;

@@ -5,13 +5,11 @@
 //! the request ends. Every active entry carries an expiry, because a lost response or a dead
 //! VM would otherwise leak load forever.
 
-use crate::index::WorkerId;
+use crate::config::Config;
+use crate::ids::{mix, RequestId, WorkerId};
 use core::hash::{BuildHasherDefault, Hasher};
 use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
-
-/// Globally unique across Envoy threads: the replicating VM's id sits in the high bits.
-pub type RequestId = u64;
 
 /// What a worker told us about itself (ORCA `endpoint-load-metrics`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -22,16 +20,16 @@ pub struct Report {
     pub at_ms: u64,
 }
 
-/// A routing decision to charge.
-#[derive(Debug, Clone)]
-pub struct NewRequest<'a> {
+/// A routing decision to charge; replicated as `Event::Routed`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRequest {
     pub id: RequestId,
     /// Worker that holds the KV blocks while the request decodes.
     pub worker: WorkerId,
     /// Worker that computes the prefill when it is not `worker` (disaggregation).
     pub prefill_worker: Option<WorkerId>,
     /// Hashes of the prompt's full blocks.
-    pub blocks: &'a [u64],
+    pub blocks: Vec<u64>,
     /// Leading blocks already cached on the prefill side.
     pub cached_blocks: u32,
     /// Blocks beyond the hashed ones (partial tail, expected output); never shared.
@@ -52,7 +50,7 @@ pub struct LoadParams {
 }
 
 impl LoadParams {
-    pub fn from_config(cfg: &crate::config::Config) -> Self {
+    pub fn from_config(cfg: &Config) -> Self {
         LoadParams {
             request_ttl_ms: cfg.load.request_ttl_ms,
             prefill_decay: cfg.load.prefill_decay,
@@ -64,30 +62,23 @@ impl LoadParams {
     }
 }
 
+/// The configuration's defaults.
 impl Default for LoadParams {
     fn default() -> Self {
-        Self {
-            request_ttl_ms: 600_000,
-            prefill_decay: false,
-            prefill_tokens_per_s: 10_000.0,
-            prefill_overhead_ms: 20,
-            staged_decode: false,
-            fresh_half_life_ms: 60_000,
-        }
+        Self::from_config(&Config::default())
     }
 }
 
 /// Block hashes are already hash output (xxh3), so the map only needs them spread over
-/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): one multiply-xorshift
-/// instead of a general-purpose hash.
+/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): `mix` instead of a
+/// general-purpose hash.
 #[derive(Debug, Clone, Copy, Default)]
 struct BlockHasher(u64);
 
 impl Hasher for BlockHasher {
     #[inline]
     fn finish(&self) -> u64 {
-        let x = (self.0 ^ (self.0 >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        x ^ (x >> 29)
+        mix(self.0)
     }
 
     #[inline]
@@ -146,6 +137,15 @@ struct WorkerLoad {
 }
 
 impl WorkerLoad {
+    /// The predicted prefill of request `id` (`tokens`) is no longer pending here.
+    fn prefill_finished(&mut self, id: RequestId, tokens: u32) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(u64::from(tokens));
+        self.pending.retain(|x| *x != id);
+        if self.pending.is_empty() {
+            self.prefill_horizon_ms = 0;
+        }
+    }
+
     /// Bounds the block map's allocation after releases.
     fn trim(&mut self) {
         let cap = self.block_refs.capacity();
@@ -189,24 +189,17 @@ impl LoadTable {
         }
     }
 
-    pub fn params(&self) -> &LoadParams {
-        &self.params
-    }
-
-    pub fn workers(&self) -> usize {
-        self.workers.len()
-    }
-
     pub fn active_requests(&self) -> usize {
         self.active.len()
     }
 
-    pub fn contains(&self, id: RequestId) -> bool {
+    #[cfg(test)]
+    fn contains(&self, id: RequestId) -> bool {
         self.active.contains_key(&id)
     }
 
     /// Charges a routing decision. A duplicate id (a replayed event) is ignored.
-    pub fn add(&mut self, r: &NewRequest<'_>) -> bool {
+    pub fn add(&mut self, r: &NewRequest) -> bool {
         let n = self.workers.len();
         let prefill_worker = r.prefill_worker.unwrap_or(r.worker);
         if usize::from(r.worker) >= n
@@ -264,7 +257,7 @@ impl LoadTable {
             Active {
                 worker: r.worker,
                 prefill_worker,
-                blocks: r.blocks.to_vec(),
+                blocks: r.blocks.clone(),
                 charged,
                 tail_blocks: r.tail_blocks,
                 prefill_tokens: r.prefill_tokens,
@@ -287,13 +280,7 @@ impl LoadTable {
         }
         a.prefill_pending = false;
         if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
-            pw.prefill_tokens = pw
-                .prefill_tokens
-                .saturating_sub(u64::from(a.prefill_tokens));
-            pw.pending.retain(|x| *x != id);
-            if pw.pending.is_empty() {
-                pw.prefill_horizon_ms = 0;
-            }
+            pw.prefill_finished(id, a.prefill_tokens);
         }
         if a.charged < a.blocks.len() {
             if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
@@ -318,13 +305,7 @@ impl LoadTable {
             // What `prefill_done` does, except charging the rest of the blocks only to release
             // them right away.
             if let Some(pw) = self.workers.get_mut(usize::from(a.prefill_worker)) {
-                pw.prefill_tokens = pw
-                    .prefill_tokens
-                    .saturating_sub(u64::from(a.prefill_tokens));
-                pw.pending.retain(|x| *x != id);
-                if pw.pending.is_empty() {
-                    pw.prefill_horizon_ms = 0;
-                }
+                pw.prefill_finished(id, a.prefill_tokens);
             }
         }
         if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
@@ -451,8 +432,9 @@ impl LoadTable {
             + self.workers.capacity() * core::mem::size_of::<WorkerLoad>()
     }
 
-    /// Totals across workers, for tests and metrics: (inflight, prefill tokens, active blocks).
-    pub fn totals(&self) -> (u64, u64, u64) {
+    /// Totals across workers, for tests: (inflight, prefill tokens, active blocks).
+    #[cfg(test)]
+    pub(crate) fn totals(&self) -> (u64, u64, u64) {
         self.workers.iter().fold((0, 0, 0), |(i, p, b), w| {
             (
                 i + u64::from(w.inflight),
@@ -484,12 +466,12 @@ mod tests {
         cached: u32,
         tokens: u32,
         now: u64,
-    ) -> NewRequest<'_> {
+    ) -> NewRequest {
         NewRequest {
             id,
             worker: w,
             prefill_worker: None,
-            blocks,
+            blocks: blocks.to_vec(),
             cached_blocks: cached,
             tail_blocks: 1,
             prefill_tokens: tokens,
@@ -741,7 +723,7 @@ mod props {
                 match o.clone() {
                     Op::Add { w, blocks, cached, tokens } => {
                         next += 1;
-                        t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: &blocks, cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now });
+                        t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: blocks.clone(), cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now });
                     }
                     Op::PrefillDone(i) => { t.prefill_done(i as u64); }
                     Op::Free(i) => { t.free(i as u64); }

@@ -84,10 +84,6 @@ impl Replicator {
         self.id
     }
 
-    pub fn queue(&self) -> u32 {
-        self.queue
-    }
-
     pub fn peers(&self) -> usize {
         self.peers.len()
     }
@@ -115,7 +111,7 @@ impl Replicator {
 
     /// Rebuilds the peer list when the membership record changed since we last looked, so
     /// a VM that joined a moment ago gets events before our next heartbeat.
-    pub fn refresh(&mut self, bus: &dyn SharedBus, now_ms: u64) {
+    fn refresh(&mut self, bus: &dyn SharedBus, now_ms: u64) {
         let (bytes, cas) = bus.get(&members_key(&self.ns));
         if cas.is_some() && cas == self.seen_cas {
             return;

@@ -216,7 +216,7 @@ fn completion_prompt<'a>(
 
 impl Prompt<'_> {
     /// Non-text content parts in all messages.
-    pub fn skipped_parts(&self) -> u32 {
+    fn skipped_parts(&self) -> u32 {
         let Prompt::Chat { messages, .. } = self else {
             return 0;
         };
@@ -543,39 +543,32 @@ mod tests {
             "stream_options.include_usage",
         );
         assert_wrong(completion(r#"{"prompt":"x","cache_salt":7}"#), "cache_salt");
-        assert_wrong(chat(r#"{"messages":{}}"#), "messages");
-        assert_wrong(chat(r#"{"messages":null}"#), "messages");
-        assert_wrong(chat(r#"{"messages":["hi"]}"#), "messages[]");
-        assert_wrong(chat(r#"{"messages":[{"role":null}]}"#), "messages[].role");
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","content":3}]}"#),
-            "messages[].content",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","content":[3]}]}"#),
-            "messages[].content[]",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","content":[{"type":1}]}]}"#),
-            "messages[].content[].type",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","content":[{"type":"text","text":[]}]}]}"#),
-            "messages[].content[].text",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","name":1}]}"#),
-            "messages[].name",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","tool_calls":{}}]}"#),
-            "messages[].tool_calls",
-        );
-        assert_wrong(
-            chat(r#"{"messages":[{"role":"u","tool_call_id":[]}]}"#),
-            "messages[].tool_call_id",
-        );
-        assert_wrong(chat(r#"{"messages":[{"role":"u"}],"tools":{}}"#), "tools");
+        let m = |rest: &str| format!(r#"{{"messages":[{{"role":"u",{rest}}}]}}"#);
+        for (body, field) in [
+            (r#"{"messages":{}}"#.to_string(), "messages"),
+            (r#"{"messages":null}"#.to_string(), "messages"),
+            (r#"{"messages":["hi"]}"#.to_string(), "messages[]"),
+            (
+                r#"{"messages":[{"role":null}]}"#.to_string(),
+                "messages[].role",
+            ),
+            (m(r#""content":3"#), "messages[].content"),
+            (m(r#""content":[3]"#), "messages[].content[]"),
+            (m(r#""content":[{"type":1}]"#), "messages[].content[].type"),
+            (
+                m(r#""content":[{"type":"text","text":[]}]"#),
+                "messages[].content[].text",
+            ),
+            (m(r#""name":1"#), "messages[].name"),
+            (m(r#""tool_calls":{}"#), "messages[].tool_calls"),
+            (m(r#""tool_call_id":[]"#), "messages[].tool_call_id"),
+            (
+                r#"{"messages":[{"role":"u"}],"tools":{}}"#.to_string(),
+                "tools",
+            ),
+        ] {
+            assert_wrong(chat(&body), field);
+        }
     }
 
     #[test]

@@ -7,8 +7,9 @@ use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
 use crate::hashing::{prompt_hashes, HashParams};
-use crate::index::{PrefixIndex, WorkerId};
-use crate::load::{LoadParams, LoadTable, NewRequest, Report, RequestId, WorkerView};
+use crate::ids::{RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
+use crate::index::PrefixIndex;
+use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
 use crate::request::{parse, ApiKind, ParseError};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
@@ -18,6 +19,8 @@ use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
 pub enum Fallback {
     Parse(String),
     UnknownModel(String),
+    /// Scoring found no worker to pick (every cost was unusable).
+    NoCandidates,
 }
 
 impl Fallback {
@@ -26,6 +29,7 @@ impl Fallback {
         match self {
             Fallback::Parse(_) => "parse_error",
             Fallback::UnknownModel(_) => "unknown_model",
+            Fallback::NoCandidates => "no_candidates",
         }
     }
 }
@@ -186,11 +190,7 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let hp = HashParams {
-            block_size: self.cfg.block_size,
-            chars_per_token: self.cfg.chars_per_token,
-        };
-        let ph = prompt_hashes(&req, &hp);
+        let ph = prompt_hashes(&req, &HashParams::from_config(&self.cfg));
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
         // that is follows the calibrated ratio.
@@ -228,9 +228,7 @@ impl Router {
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
             Outcome::Rejected => return RouteResult::Rejected,
-            Outcome::NoCandidates => {
-                return self.route_fallback(Fallback::Parse("no candidates".into()), now_ms)
-            }
+            Outcome::NoCandidates => return self.route_fallback(Fallback::NoCandidates, now_ms),
         };
         let alternates = self.alternates(&decode_cands, &shape, pick.id);
 
@@ -252,23 +250,22 @@ impl Router {
         let id = self.next_id();
         let hashed_blocks = u32::try_from(ph.blocks.len()).unwrap_or(u32::MAX);
         let cached_blocks = (f64::from(serve_overlap) / tokens_per_block).floor() as u32;
-        let event = Event::Routed {
+        let routed = NewRequest {
             id,
-            now_ms,
             worker: pick.id,
             prefill_worker: prefill,
+            blocks: ph.blocks,
             cached_blocks,
             tail_blocks: prompt_blocks.saturating_sub(hashed_blocks) + output.div_ceil(bs),
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
-            hashes: ph.blocks,
+            now_ms,
         };
-        self.charge(&event);
-        let hashes = match &event {
-            Event::Routed { hashes, .. } => hashes.clone(),
-            _ => Vec::new(),
-        };
+        // Load is charged now; the index insert waits in `pending` for `flush`.
+        self.load.add(&routed);
+        let hashes = routed.blocks.clone();
         self.pending
             .push((pick.id, prefill, hashes.clone(), now_ms));
+        let event = Event::Routed(routed);
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
@@ -302,16 +299,16 @@ impl Router {
         };
         let alternates = self.alternates(&cands, &shape, pick.id);
         let id = self.next_id();
-        let event = Event::Routed {
+        let event = Event::Routed(NewRequest {
             id,
-            now_ms,
             worker: pick.id,
             prefill_worker: None,
+            blocks: Vec::new(),
             cached_blocks: 0,
             tail_blocks: 0,
             prefill_tokens: 0,
-            hashes: Vec::new(),
-        };
+            now_ms,
+        });
         self.apply(&event, now_ms);
         RouteResult::Routed(Decision {
             id,
@@ -371,32 +368,6 @@ impl Router {
         rest.into_iter().take(n).map(|(_, w)| w).collect()
     }
 
-    /// The load part of a Routed event (the prefix part is deferred for local decisions).
-    fn charge(&mut self, e: &Event) {
-        if let Event::Routed {
-            id,
-            now_ms,
-            worker,
-            prefill_worker,
-            cached_blocks,
-            tail_blocks,
-            prefill_tokens,
-            hashes,
-        } = e
-        {
-            self.load.add(&NewRequest {
-                id: *id,
-                worker: *worker,
-                prefill_worker: *prefill_worker,
-                blocks: hashes,
-                cached_blocks: *cached_blocks,
-                tail_blocks: *tail_blocks,
-                prefill_tokens: *prefill_tokens,
-                now_ms: *now_ms,
-            });
-        }
-    }
-
     fn record_prefix(
         &mut self,
         worker: WorkerId,
@@ -424,22 +395,12 @@ impl Router {
         jobs.len()
     }
 
-    pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
-    }
-
     /// Applies an event, local or replicated from another thread.
     pub fn apply(&mut self, e: &Event, now_ms: u64) {
         match e {
-            Event::Routed {
-                now_ms: at,
-                worker,
-                prefill_worker,
-                hashes,
-                ..
-            } => {
-                self.charge(e);
-                self.record_prefix(*worker, *prefill_worker, hashes, *at);
+            Event::Routed(r) => {
+                self.load.add(r);
+                self.record_prefix(r.worker, r.prefill_worker, &r.blocks, r.now_ms);
             }
             Event::PrefillDone { id } => {
                 self.load.prefill_done(*id);
@@ -447,23 +408,7 @@ impl Router {
             Event::Free { id } => {
                 self.load.free(*id);
             }
-            Event::Report {
-                worker,
-                kv_usage,
-                waiting,
-                running,
-                at_ms,
-            } => {
-                self.load.report(
-                    *worker,
-                    Report {
-                        kv_usage: *kv_usage,
-                        waiting: *waiting,
-                        running: *running,
-                        at_ms: *at_ms,
-                    },
-                );
-            }
+            Event::Report { worker, report } => self.load.report(*worker, *report),
             Event::Failed { worker, at_ms } => {
                 self.load
                     .mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
@@ -471,7 +416,7 @@ impl Router {
             Event::Recovered { worker } => self.load.mark_ok(*worker),
             Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
             Event::Calibrate { chars_per_token } => {
-                if chars_per_token.is_finite() && (0.5..=64.0).contains(chars_per_token) {
+                if chars_per_token.is_finite() && CHARS_PER_TOKEN_RANGE.contains(chars_per_token) {
                     self.chars_per_token = *chars_per_token;
                 }
             }
@@ -532,10 +477,12 @@ impl Router {
         let prev = self.load.last_report(worker);
         let e = Event::Report {
             worker,
-            kv_usage: o.kv_usage.or(prev.map(|r| r.kv_usage)).unwrap_or(0.0),
-            waiting: o.waiting.or(prev.map(|r| r.waiting)).unwrap_or(0),
-            running: o.running,
-            at_ms: now_ms,
+            report: Report {
+                kv_usage: o.kv_usage.or(prev.map(|r| r.kv_usage)).unwrap_or(0.0),
+                waiting: o.waiting.or(prev.map(|r| r.waiting)).unwrap_or(0),
+                running: o.running,
+                at_ms: now_ms,
+            },
         };
         self.apply(&e, now_ms);
         e
@@ -615,18 +562,6 @@ impl Router {
             .workers
             .get(usize::from(w))
             .and_then(|c| c.endpoint.as_deref())
-    }
-
-    pub fn worker_by_name(&self, name: &str) -> Option<WorkerId> {
-        self.cfg
-            .workers
-            .iter()
-            .position(|w| w.name == name)
-            .and_then(|i| WorkerId::try_from(i).ok())
-    }
-
-    pub fn worker_count(&self) -> usize {
-        self.cfg.workers.len()
     }
 }
 
@@ -724,6 +659,27 @@ mod tests {
         let mut r = Router::new(cfg(""), 1, 3);
         let d = routed(r.route(ApiKind::Completions, b"{not json", 0));
         assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("parse_error"));
+        assert_eq!(r.worker_view(d.target, 0).inflight, 1);
+        r.on_finish(&d, 1);
+        assert_eq!(r.load().totals(), (0, 0, 0));
+    }
+
+    #[test]
+    fn unusable_costs_fall_back_as_no_candidates() {
+        // Every cost overflows to infinity, so scoring cannot rank the workers.
+        let mut r = Router::new(
+            cfg(
+                r#","scoring":{"prefill_load_scale":1e308},"disaggregation":{"threshold_tokens":0}"#,
+            ),
+            1,
+            3,
+        );
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(7, 8000)), 0));
+        assert_eq!(d.fallback, Some(Fallback::NoCandidates));
+        assert_eq!(
+            d.fallback.as_ref().map(Fallback::kind),
+            Some("no_candidates")
+        );
         assert_eq!(r.worker_view(d.target, 0).inflight, 1);
         r.on_finish(&d, 1);
         assert_eq!(r.load().totals(), (0, 0, 0));

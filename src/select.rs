@@ -9,7 +9,8 @@
 //! A long cached prefix wins against a small load difference (affinity), and load wins
 //! against a short shared prefix because each pick is charged to the worker at once.
 
-use crate::index::WorkerId;
+use crate::config::Config;
+use crate::ids::WorkerId;
 use crate::load::WorkerView;
 use crate::rng::Rng;
 
@@ -27,20 +28,10 @@ pub struct SelectParams {
     pub reject_when_all_busy: bool,
 }
 
+/// The configuration's defaults.
 impl Default for SelectParams {
     fn default() -> Self {
-        Self {
-            block_size: 16,
-            overlap_credit: 1.0,
-            prefill_load_scale: 1.0,
-            staged_decode: false,
-            temperature: 0.0,
-            cache_balance: 1.0,
-            busy_kv_usage: 0.98,
-            busy_waiting: 32,
-            busy_inflight: 0,
-            reject_when_all_busy: false,
-        }
+        Self::from_config(&Config::default())
     }
 }
 
@@ -85,7 +76,7 @@ pub enum Outcome {
 }
 
 impl SelectParams {
-    pub fn from_config(cfg: &crate::config::Config) -> Self {
+    pub fn from_config(cfg: &Config) -> Self {
         SelectParams {
             block_size: cfg.block_size,
             overlap_credit: cfg.scoring.overlap_credit,
@@ -125,7 +116,7 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     p.prefill_load_scale * prefill + decode + p.cache_balance * written * pressure
 }
 
-pub fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
+fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
     if p.busy_inflight > 0 && c.load.inflight >= p.busy_inflight {
         return true;
     }
@@ -347,7 +338,7 @@ mod tests {
                 id,
                 worker: pk.id,
                 prefill_worker: None,
-                blocks: &blocks,
+                blocks: blocks.clone(),
                 cached_blocks: cached,
                 tail_blocks: 16,
                 prefill_tokens: uncached_tokens(2048, pk.overlap_tokens),
@@ -391,7 +382,7 @@ mod tests {
                 id,
                 worker: pk.id,
                 prefill_worker: None,
-                blocks: &blocks,
+                blocks: blocks.clone(),
                 cached_blocks: pk.overlap_tokens / 16,
                 tail_blocks: 0,
                 prefill_tokens: 1600,

@@ -6,7 +6,7 @@ use super::state::State;
 use crate::events::Event;
 use crate::feedback::{self, Outcome, UsageTail};
 use crate::request::ApiKind;
-use crate::router::{Decision, RouteResult};
+use crate::router::{Decision, Fallback, RouteResult};
 use crate::steer::{self, ORCA_RESPONSE};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, LogLevel, MapType};
@@ -139,9 +139,10 @@ fn record_decision(s: &State, d: &Decision) {
     match &d.fallback {
         Some(f) => {
             m.fallback.inc();
-            match f.kind() {
-                "unknown_model" => m.fallback_model.inc(),
-                _ => m.fallback_parse.inc(),
+            match f {
+                Fallback::Parse(_) => m.fallback_parse.inc(),
+                Fallback::UnknownModel(_) => m.fallback_model.inc(),
+                Fallback::NoCandidates => m.fallback_no_candidates.inc(),
             }
         }
         None => {

@@ -1,0 +1,30 @@
+//! Ids and limits shared by the index, the load table, the events and the configuration,
+//! defined once so the modules cannot drift apart.
+
+use core::ops::RangeInclusive;
+
+/// Dense index into the router's worker list.
+pub type WorkerId = u16;
+
+/// Worker ids `0..MAX_WORKERS` are valid; anything else is ignored. The index keeps worker
+/// sets as 256-bit sets and node ids with the worker in 8 bits, so this cannot grow alone.
+pub const MAX_WORKERS: usize = 256;
+
+/// Globally unique across Envoy threads: the replicating VM's id sits in the high bits.
+pub type RequestId = u64;
+
+/// Bytes of text per token assumed for text prompts until `usage` calibrates it.
+pub const DEFAULT_CHARS_PER_TOKEN: f64 = 4.0;
+
+/// Chars-per-token values the configuration accepts and calibration may reach; outside it
+/// an estimate is a measurement error, not a tokenizer.
+pub const CHARS_PER_TOKEN_RANGE: RangeInclusive<f64> = 0.5..=64.0;
+
+/// Spreads a block hash over every bit with one multiply-xorshift. Block hashes are
+/// already xxh3 output, but tests and callers may feed small integers, and the hash tables
+/// take their home slot from the high bits and their tag from the low ones.
+#[inline]
+pub fn mix(h: u64) -> u64 {
+    let x = (h ^ (h >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
+}
