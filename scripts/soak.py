@@ -296,9 +296,12 @@ def main() -> int:
     if late:
         print(f"  meant to cancel, but the whole stream came in the first read: {late}")
 
-    print("\nEnvoy RSS (MiB) and heap (MiB) over time:")
-    print("     t(s)     rss    heap   requests  inflight")
-    for t, rss, heap, done, inflight in samples:
+    # At most about 60 rows: every sample of a short run, every n-th (and the last) of a long one.
+    step = max(1, -(-len(samples) // 60))
+    shown = samples[::step] + ([samples[-1]] if samples and (len(samples) - 1) % step else [])
+    print(f"\nEnvoy RSS and heap (tcmalloc allocated) over time, every {step * args.sample:.0f}s:")
+    print("     t(s)  rss MiB heap MiB   requests  inflight")
+    for t, rss, heap, done, inflight in shown:
         mark = " warm-up" if t < warmup else ""
         print(f"  {t:7.0f} {rss / 1024:7.1f} {heap / 2**20:7.1f} {done:10d} {inflight:9.0f}{mark}")
     after = [s for s in samples if s[0] >= warmup]
