@@ -54,7 +54,7 @@ impl HashParams {
     }
 
     /// Tokens per block actually used, in `1..=65536`.
-    fn tokens_per_block(&self) -> usize {
+    pub fn tokens_per_block(&self) -> usize {
         // u32 always fits in usize on the targets we build for (32 and 64 bit).
         self.block_size.clamp(1, MAX_BLOCK_TOKENS) as usize
     }
@@ -70,7 +70,7 @@ impl HashParams {
     }
 
     /// Bytes of text per block: `block_size * chars_per_token`, rounded, at least 1.
-    fn text_block_bytes(&self) -> usize {
+    pub fn text_block_bytes(&self) -> usize {
         let bytes = (self.tokens_per_block() as f64 * self.chars_per_token()).round();
         if bytes < 1.0 {
             1
@@ -83,7 +83,7 @@ impl HashParams {
     }
 
     /// Estimated tokens in `bytes` bytes of text, rounded up, saturating at `u32::MAX`.
-    fn estimate_tokens(&self, bytes: usize) -> u32 {
+    pub fn estimate_tokens(&self, bytes: usize) -> u32 {
         // Float-to-int `as` saturates, which is the behaviour wanted here.
         (bytes as f64 / self.chars_per_token()).ceil() as u32
     }
@@ -243,6 +243,32 @@ fn pair(parent: u64, local: u64) -> [u8; 16] {
     bytes[..8].copy_from_slice(&parent.to_le_bytes());
     bytes[8..].copy_from_slice(&local.to_le_bytes());
     bytes
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+/// The exact bytes whose blocks [`prompt_hashes`] hashes: the routing prompt's text, its
+/// token ids as u32 little-endian, or the canonical chat stream: the reference the hashes
+/// are checked against (by the tests and the fuzz targets).
+pub fn canonical_stream(req: &InferenceRequest<'_>) -> Vec<u8> {
+    match &req.prompt {
+        Prompt::Tokens(lists) => lists
+            .first()
+            .map_or(&[][..], Vec::as_slice)
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect(),
+        Prompt::Text(texts) => texts.first().map_or("", |t| t.as_ref()).as_bytes().to_vec(),
+        Prompt::Chat { messages, tools } => {
+            let mut out = Vec::with_capacity(canon::size_hint(messages));
+            canon::write_chat(&mut out, messages, tools);
+            out
+        }
+    }
 }
 
 #[cfg(test)]

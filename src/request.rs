@@ -216,7 +216,7 @@ fn completion_prompt<'a>(
 
 impl Prompt<'_> {
     /// Non-text content parts in all messages.
-    fn skipped_parts(&self) -> u32 {
+    pub fn skipped_parts(&self) -> u32 {
         let Prompt::Chat { messages, .. } = self else {
             return 0;
         };

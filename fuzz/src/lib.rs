@@ -6,10 +6,11 @@
 //! and then checks properties that must hold for any input, beyond "it did not panic".
 //! A violated property panics, which libFuzzer reports as a crash.
 
-use kvroute::config::{Config, MAX_WORKERS};
+use kvroute::config::Config;
 use kvroute::events::{self, DecodeError};
 use kvroute::feedback::{parse_orca, Usage, UsageTail};
 use kvroute::hashing::{canonical_stream, prompt_hashes, HashParams, PromptHashes};
+use kvroute::ids::MAX_WORKERS;
 use kvroute::request::{self, ApiKind, InferenceRequest, ParseError, Prompt};
 use serde::de::IgnoredAny;
 use std::borrow::Cow;

@@ -21,6 +21,10 @@ impl Id {
         self.add(1);
     }
     pub fn add(&self, n: u64) {
+        // Envoy refuses (and we would count as a host error) an increment of zero.
+        if n == 0 {
+            return;
+        }
         if let Some(id) = self.id {
             self.host.increment_metric(id, n);
         }

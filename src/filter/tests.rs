@@ -129,6 +129,10 @@ impl Host for FakeHost {
     }
 
     fn increment_metric(&self, id: u32, n: i64) -> HostResult<()> {
+        // Envoy refuses a counter increment that is not positive.
+        if n <= 0 {
+            return Err(Status::BadArgument);
+        }
         self.0.borrow_mut().metrics[id as usize].2 += n;
         Ok(())
     }
@@ -823,4 +827,17 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
     b.state.borrow_mut().start_serving();
     assert_eq!(b.inflight(), 1);
     assert_eq!(b.counter("kvroute.replication.received.total"), 1);
+}
+
+#[test]
+fn idle_ticks_make_no_host_errors() {
+    // Envoy refuses a zero counter increment; a tick with nothing expired must not try one.
+    let vm = Vm::new(NO_DISAGG);
+    let (mut h, _) = vm.post("tick");
+    vm.answer(&mut h, "200", &[]);
+    for _ in 0..8 {
+        vm.f().now_ns += 250_000_000;
+        vm.state.borrow_mut().tick();
+    }
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 0);
 }

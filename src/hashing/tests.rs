@@ -6,32 +6,6 @@ use crate::request::{parse, ApiKind};
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-impl Sink for Vec<u8> {
-    fn put(&mut self, bytes: &[u8]) {
-        self.extend_from_slice(bytes);
-    }
-}
-
-/// The exact bytes whose blocks [`prompt_hashes`] hashes: the routing prompt's text, its
-/// token ids as u32 little-endian, or the canonical chat stream: the reference the hashes
-/// are checked against.
-fn canonical_stream(req: &InferenceRequest<'_>) -> Vec<u8> {
-    match &req.prompt {
-        Prompt::Tokens(lists) => lists
-            .first()
-            .map_or(&[][..], Vec::as_slice)
-            .iter()
-            .flat_map(|t| t.to_le_bytes())
-            .collect(),
-        Prompt::Text(texts) => texts.first().map_or("", |t| t.as_ref()).as_bytes().to_vec(),
-        Prompt::Chat { messages, tools } => {
-            let mut out = Vec::with_capacity(canon::size_hint(messages));
-            canon::write_chat(&mut out, messages, tools);
-            out
-        }
-    }
-}
-
 fn chat_hashes(body: &str, p: &HashParams) -> PromptHashes {
     prompt_hashes(
         &parse(ApiKind::ChatCompletions, body.as_bytes()).unwrap(),
