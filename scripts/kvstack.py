@@ -58,6 +58,9 @@ class Worker:
     role: str = "both"
     port: int = 0
     kv_blocks: int = 4096
+    # vLLM's --enable-prompt-tokens-details (off in vLLM by default): a kvroute deployment
+    # turns it on so usage carries cached_tokens. ORCA stays vLLM's (non-streaming only).
+    prompt_tokens_details: bool = True
     proc: subprocess.Popen | None = None
     args: list = field(default_factory=list)
 
@@ -70,6 +73,8 @@ class Worker:
             self.port = free_port()
         cmd = [MOCK, "--port", str(self.port), "--name", self.name, "--role", self.role,
                "--speedup", str(speedup), "--kv-blocks", str(self.kv_blocks), *self.args]
+        if self.prompt_tokens_details:
+            cmd.append("--enable-prompt-tokens-details")
         log = open(os.path.join(log_dir, f"{self.name}.log"), "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

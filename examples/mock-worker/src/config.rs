@@ -37,28 +37,119 @@ pub struct Config {
     pub kv_bytes_per_token: f64,
     pub kv_transfer_bandwidth: f64,
     pub threads: usize,
+    /// The deployment whose capacity the defaults describe (`--preset`).
+    pub preset: &'static str,
+    /// Old mock behaviour: ORCA reports on every response, streams included, with
+    /// `num_requests_running` too. vLLM reports only on non-streaming responses.
+    pub orca_on_stream: bool,
+    /// vLLM's `--enable-prompt-tokens-details`: `usage.prompt_tokens_details.cached_tokens`.
+    pub enable_prompt_tokens_details: bool,
+    /// Charge prefill attention for the tokens already in context (see `engine::pass_ms`).
+    pub context_attention: bool,
+    /// Old mock behaviour: blocks become prefix hits only when the pass that computes them
+    /// ends. vLLM registers full blocks when it allocates them (schedule time).
+    pub cache_at_pass_end: bool,
+}
+
+/// A real deployment's capacity: what vLLM would size on that hardware.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub kv_bytes_per_token: f64,
+}
+
+/// KV bytes per token = 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16).
+/// Memory for KV on one GPU = 0.9 (vLLM's --gpu-memory-utilization) x 79.1 GiB (an H100
+/// 80 GB as CUDA reports it) = 71.2 GiB, minus the weights on that GPU, minus about 4 GiB
+/// for activations, CUDA graphs and non-torch memory. Blocks = that / (bytes per token on
+/// one GPU x 16). max_num_seqs 1024 and max_num_batched_tokens 8192 are vLLM's own
+/// defaults for the OpenAI server on a GPU with at least 70 GiB that is not an A100.
+pub const PRESETS: [Preset; 3] = [
+    // Llama-3.1-8B, 1 x H100: 2 x 32 x 8 x 128 x 2 B = 128 KiB/token; weights 15.0 GiB;
+    // 71.2 - 15.0 - 4.2 = 52 GiB of KV = 425,984 tokens = 26,624 blocks.
+    Preset {
+        name: "llama3-8b-h100",
+        kv_blocks: 26_624,
+        block_size: 16,
+        max_num_seqs: 1024,
+        max_batched_tokens: 8192,
+        max_model_len: 131_072,
+        kv_bytes_per_token: 131_072.0,
+    },
+    // Llama-3.1-70B, 8 x H100 (tensor parallel 8): 2 x 80 x 8 x 128 x 2 B = 320 KiB/token,
+    // 40 KiB on each GPU (one KV head each); weights 131.5 GiB / 8 = 16.4 GiB per GPU;
+    // 71.2 - 16.4 - 4.8 = 50 GiB of KV per GPU = 1,310,720 tokens = 81,920 blocks.
+    Preset {
+        name: "llama3-70b-8xh100",
+        kv_blocks: 81_920,
+        block_size: 16,
+        max_num_seqs: 1024,
+        max_batched_tokens: 8192,
+        max_model_len: 131_072,
+        kv_bytes_per_token: 327_680.0,
+    },
+    // The mock's capacity before presets existed (no real deployment).
+    Preset {
+        name: "legacy",
+        kv_blocks: 16_384,
+        block_size: 16,
+        max_num_seqs: 256,
+        max_batched_tokens: 8192,
+        max_model_len: 131_072,
+        kv_bytes_per_token: 131_072.0,
+    },
+];
+
+pub const DEFAULT_PRESET: &str = "llama3-8b-h100";
+
+pub fn preset(name: &str) -> Option<&'static Preset> {
+    PRESETS.iter().find(|p| p.name == name)
+}
+
+impl Config {
+    fn apply_preset(&mut self, p: &Preset) {
+        self.preset = p.name;
+        self.kv_blocks = p.kv_blocks;
+        self.block_size = p.block_size;
+        self.max_num_seqs = p.max_num_seqs;
+        self.max_batched_tokens = p.max_batched_tokens;
+        self.max_model_len = p.max_model_len;
+        self.kv_bytes_per_token = p.kv_bytes_per_token;
+    }
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
+        let mut c = Config {
             host: "127.0.0.1".into(),
             port: 8000,
             name: String::new(),
             model: "mock-model".into(),
             accept_any_model: false,
-            max_model_len: 131072,
-            block_size: 16,
-            kv_blocks: 16384,
-            max_batched_tokens: 8192,
-            max_num_seqs: 256,
+            max_model_len: 0,
+            block_size: 0,
+            kv_blocks: 0,
+            max_batched_tokens: 0,
+            max_num_seqs: 0,
             speedup: 1.0,
             role: Role::Both,
             decode_endpoint_header: "x-kvroute-decode-endpoint".into(),
-            kv_bytes_per_token: 131072.0,
+            kv_bytes_per_token: 0.0,
             kv_transfer_bandwidth: 25e9,
             threads: 1,
-        }
+            preset: DEFAULT_PRESET,
+            orca_on_stream: false,
+            enable_prompt_tokens_details: false,
+            context_attention: true,
+            cache_at_pass_end: false,
+        };
+        c.apply_preset(&PRESETS[0]);
+        c
     }
 }
 
@@ -67,7 +158,9 @@ mock-worker: a vLLM-like inference engine simulator (no GPU, no model).
 
 Serves the OpenAI API with its own tokenizer, a paged prefix-caching KV cache, a
 continuous-batching scheduler and Dynamo's mocker timing model, so routers can be
-tested and benchmarked against realistic cache hits, queueing and latency.
+tested and benchmarked against realistic cache hits, queueing and latency. By default
+it answers like a real vLLM server (see README.md for the version imitated); the
+flags under 'Old mock behaviour' bring back signals real vLLM does not send.
 
 USAGE: mock-worker [FLAGS]
 
@@ -76,29 +169,54 @@ Server:
   --port N                     Listen port; 0 picks a free one [default: 8000]
   --name NAME                  Worker id sent in the x-worker-id header [default: mock-<port>]
   --model NAME                 Model served and listed by /v1/models [default: mock-model]
-  --accept-any-model           Serve any `model` value instead of answering 404 model_not_found
+  --accept-any-model           Serve any `model` value instead of answering 404
   --threads N                  Tokio threads serving HTTP; the engine loop has its own thread [default: 1]
+  --enable-prompt-tokens-details
+                               vLLM's flag: report usage.prompt_tokens_details.cached_tokens
+                               (prefix-cache hits); off by default, as in vLLM
 
-Engine (vLLM-like defaults):
-  --max-model-len N            Longest prompt + max_tokens accepted, in tokens [default: 131072]
-  --block-size N               Tokens per KV block [default: 16]
-  --kv-blocks N                KV cache capacity in blocks (vLLM num_gpu_blocks) [default: 16384]
-  --max-batched-tokens N       Token budget of one scheduler pass [default: 8192]
-  --max-num-seqs N             Most requests running at once [default: 256]
+Capacity (a preset sets all of these; explicit flags override it):
+  --preset NAME                llama3-8b-h100 | llama3-70b-8xh100 | legacy [default: llama3-8b-h100]
+  --max-model-len N            Longest prompt + max_tokens accepted, in tokens [preset: 131072]
+  --block-size N               Tokens per KV block [preset: 16]
+  --kv-blocks N                KV cache capacity in blocks (vLLM num_gpu_blocks) [preset]
+  --max-batched-tokens N       Token budget of one scheduler pass [preset: 8192]
+  --max-num-seqs N             Most requests running at once [preset]
   --speedup F                  Divide every simulated duration by F (tests use 10-100) [default: 1]
+
+  Presets (KV bytes/token = 2 x layers x KV heads x head dim x 2 B; KV memory per GPU =
+  0.9 x 79.1 GiB - weights on that GPU - ~4 GiB activations/CUDA graphs; blocks of 16):
+    llama3-8b-h100     Llama-3.1-8B on 1 x H100 80GB: 128 KiB/token, 71.2 - 15.0 - 4.2
+                       = 52 GiB -> 425,984 tokens = 26,624 blocks; max-num-seqs 1024
+    llama3-70b-8xh100  Llama-3.1-70B on 8 x H100 (TP 8): 320 KiB/token, 40 KiB per GPU,
+                       71.2 - 16.4 - 4.8 = 50 GiB -> 1,310,720 tokens = 81,920 blocks;
+                       max-num-seqs 1024; --kv-bytes-per-token 327680
+    legacy             The mock's old capacity: 16,384 blocks, max-num-seqs 256
+  max-num-seqs 1024 and max-batched-tokens 8192 are vLLM's defaults for its OpenAI server
+  on a >= 70 GiB GPU that is not an A100. Timing is Dynamo's model for every preset.
+
+Engine model:
+  --no-context-attention       Prefill cost ignores tokens already in context (old mock)
+  --cache-at-pass-end          Blocks become prefix hits when their pass ends (old mock);
+                               by default, as in vLLM, when they are allocated
+
+Old mock behaviour:
+  --orca-on-stream             ORCA report on every response, streams included (taken when
+                               the headers leave), with num_requests_running too
 
 Disaggregation:
   --role both|prefill|decode   prefill: compute the prompt, then hand the request to the decode
                                worker named by the decode-endpoint header [default: both]
   --decode-endpoint-header H   Request header naming the decode worker as host:port
                                [default: x-kvroute-decode-endpoint]
-  --kv-bytes-per-token N       KV size of one token, for the transfer delay [default: 131072]
+  --kv-bytes-per-token N       KV size of one token, for the transfer delay [preset: 131072]
   --kv-transfer-bandwidth F    Prefill-to-decode bandwidth in bytes/s [default: 25e9]
 
   -h, --help                   Print this help
 
 Timing per scheduler pass (ms, then divided by --speedup):
-  prefill = 4.21e-7 t^2 + 0.01518 t + 16.5   (t new prompt tokens in the pass; 0 if none)
+  prefill = 4.21e-7 t^2 + 0.01518 t + 16.5 + 8.42e-7 t c   (t new prompt tokens in the pass,
+            c tokens already in context of those requests; 0 if no prefill)
   decode  = max(1, -25.74 p^2 + 54.01 p + 5.74)   (p KV usage; 0 if nothing decodes)
 ";
 
@@ -109,7 +227,23 @@ fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, String> {
 impl Config {
     /// Parses flags (without the program name). `Ok(None)` means help was asked for.
     pub fn from_args<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, String> {
+        let args: Vec<String> = args.into_iter().collect();
         let mut c = Config::default();
+        // The preset is applied first, whatever its position, so explicit flags override it.
+        for (i, a) in args.iter().enumerate() {
+            let name = match a.strip_prefix("--preset") {
+                Some("") => args.get(i + 1).map(String::as_str),
+                Some(v) => v.strip_prefix('='),
+                None => None,
+            };
+            if let Some(name) = name {
+                let p = preset(name).ok_or_else(|| {
+                    let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+                    format!("--preset: unknown {name:?}; one of {}", names.join(", "))
+                })?;
+                c.apply_preset(p);
+            }
+        }
         let mut it = args.into_iter();
         while let Some(arg) = it.next() {
             let (flag, inline) = match arg.split_once('=') {
@@ -129,6 +263,13 @@ impl Config {
                 "--name" => c.name = val()?,
                 "--model" => c.model = val()?,
                 "--accept-any-model" => c.accept_any_model = true,
+                "--preset" => {
+                    val()?;
+                }
+                "--enable-prompt-tokens-details" => c.enable_prompt_tokens_details = true,
+                "--orca-on-stream" => c.orca_on_stream = true,
+                "--no-context-attention" => c.context_attention = false,
+                "--cache-at-pass-end" => c.cache_at_pass_end = true,
                 "--threads" => c.threads = num(&flag, &val()?)?,
                 "--max-model-len" => c.max_model_len = num(&flag, &val()?)?,
                 "--block-size" => c.block_size = num(&flag, &val()?)?,
@@ -180,7 +321,10 @@ impl Config {
         if !(self.speedup > 0.0 && self.speedup.is_finite()) {
             return Err("--speedup must be a positive number".into());
         }
-        if !(self.kv_transfer_bandwidth > 0.0) || self.kv_bytes_per_token < 0.0 {
+        if self.kv_transfer_bandwidth.is_nan()
+            || self.kv_transfer_bandwidth <= 0.0
+            || self.kv_bytes_per_token < 0.0
+        {
             return Err(
                 "--kv-transfer-bandwidth must be positive and --kv-bytes-per-token non-negative"
                     .into(),
@@ -221,5 +365,36 @@ mod tests {
         assert!(parse("--port").is_err());
         assert!(parse("--speedup 0").is_err());
         assert_eq!(parse("").unwrap().unwrap().worker_name(8001), "mock-8001");
+    }
+
+    #[test]
+    fn presets_set_capacity_and_explicit_flags_win() {
+        let d = parse("").unwrap().unwrap();
+        assert_eq!(
+            (d.preset, d.kv_blocks, d.block_size, d.max_num_seqs),
+            ("llama3-8b-h100", 26_624, 16, 1024)
+        );
+        // 52 GiB of KV at 128 KiB per token, in blocks of 16.
+        assert_eq!(52usize * 1024 * 1024 / 128 / 16, 26_624);
+        // 50 GiB per GPU at 40 KiB per token per GPU.
+        assert_eq!(50usize * 1024 * 1024 / 40 / 16, 81_920);
+        let big = parse("--kv-blocks 100 --preset llama3-70b-8xh100")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (big.kv_blocks, big.max_num_seqs, big.kv_bytes_per_token),
+            (100, 1024, 327_680.0),
+            "--kv-blocks given before --preset still wins"
+        );
+        let old = parse("--preset=legacy").unwrap().unwrap();
+        assert_eq!((old.kv_blocks, old.max_num_seqs), (16_384, 256));
+        assert!(parse("--preset nope").is_err());
+        assert!(!d.orca_on_stream && !d.enable_prompt_tokens_details && !d.cache_at_pass_end);
+        assert!(d.context_attention);
+        let flags = parse("--orca-on-stream --enable-prompt-tokens-details --no-context-attention --cache-at-pass-end")
+            .unwrap()
+            .unwrap();
+        assert!(flags.orca_on_stream && flags.enable_prompt_tokens_details);
+        assert!(!flags.context_attention && flags.cache_at_pass_end);
     }
 }

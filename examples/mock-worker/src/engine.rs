@@ -2,8 +2,10 @@
 //! driven by one loop task whose passes last as long as Dynamo's mocker model says.
 //!
 //! Each pass is split in two halves around the sleep: `schedule` decides what runs (and
-//! allocates KV), `commit` applies the results (computed tokens, new output tokens). Blocks
-//! become visible to prefix lookups only in `commit`, once they are computed.
+//! allocates KV), `commit` applies the results (computed tokens, new output tokens). As in
+//! vLLM, full blocks are registered in the prefix cache when they are allocated for the
+//! tokens scheduled (so a later request scheduled in the same pass already hits them);
+//! `--cache-at-pass-end` registers them in `commit` instead (the mock's old behaviour).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,11 +41,20 @@ fn output_token(i: usize) -> u32 {
     })[i % WORDS.len()]
 }
 
+/// Prefill attention against context already in the KV cache, ms per (new token x context
+/// token). Dynamo's prefill model `4.21e-7 t^2 + 0.01518 t + 16.5` is fitted on cold prompts,
+/// where its quadratic term is attention: token i attends to i earlier tokens, so the work is
+/// about t^2 / 2 token pairs and one pair costs 2 x 4.21e-7 ms. A chunk of t new tokens on
+/// top of c tokens already in context adds t x c pairs.
+pub const CONTEXT_ATTENTION_MS: f64 = 2.0 * 4.21e-7;
+
 /// Dynamo mocker: milliseconds of one pass with `t` new prefill tokens at KV usage `p`.
-pub fn pass_ms(t: usize, decoding: bool, p: f64) -> f64 {
+/// `context_pairs` is the sum over prefilling requests of new tokens x tokens already in
+/// their context (0 with `--no-context-attention`).
+pub fn pass_ms(t: usize, context_pairs: f64, decoding: bool, p: f64) -> f64 {
     let prefill = if t > 0 {
         let t = t as f64;
-        4.21e-7 * t * t + 0.01518 * t + 16.5
+        4.21e-7 * t * t + 0.01518 * t + 16.5 + CONTEXT_ATTENTION_MS * context_pairs
     } else {
         0.0
     };
@@ -135,6 +146,8 @@ impl Seq {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pass {
     pub prefill_tokens: usize,
+    /// Sum over prefilling requests of tokens scheduled x tokens already in their context.
+    pub context_pairs: f64,
     pub decode_seqs: usize,
     pub usage: f64,
     pub preempted: usize,
@@ -142,7 +155,12 @@ pub struct Pass {
 
 impl Pass {
     pub fn ms(&self) -> f64 {
-        pass_ms(self.prefill_tokens, self.decode_seqs > 0, self.usage)
+        pass_ms(
+            self.prefill_tokens,
+            self.context_pairs,
+            self.decode_seqs > 0,
+            self.usage,
+        )
     }
 }
 
@@ -153,6 +171,8 @@ pub struct EngineState {
     block_size: usize,
     max_batched_tokens: usize,
     max_num_seqs: usize,
+    context_attention: bool,
+    cache_at_schedule: bool,
     pub metrics: Metrics,
 }
 
@@ -172,6 +192,8 @@ impl EngineState {
             block_size: cfg.block_size,
             max_batched_tokens: cfg.max_batched_tokens,
             max_num_seqs: cfg.max_num_seqs,
+            context_attention: cfg.context_attention,
+            cache_at_schedule: !cfg.cache_at_pass_end,
             metrics: Metrics::default(),
         }
     }
@@ -212,6 +234,18 @@ impl EngineState {
         self.hit_blocks(hashes, len) * self.block_size
     }
 
+    /// Registers the full blocks of the first `upto` tokens not registered yet.
+    fn register_full(cache: &mut KvCache, s: &mut Seq, upto: usize, bs: usize) {
+        let full = upto / bs;
+        if full > s.registered {
+            kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
+            for j in s.registered..full {
+                cache.register(s.blocks[j], s.hashes[j]);
+            }
+            s.registered = full;
+        }
+    }
+
     fn preempt(cache: &mut KvCache, mut s: Seq) -> Seq {
         cache.release(&mut s.blocks);
         s.computed = 0;
@@ -235,7 +269,11 @@ impl EngineState {
             let n = (s.tokens.len() - s.computed).min(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
             if cache.allocate(need, &mut self.running[i].blocks) {
-                self.running[i].scheduled = n;
+                let s = &mut self.running[i];
+                s.scheduled = n;
+                if self.cache_at_schedule {
+                    Self::register_full(cache, s, s.computed + n, bs);
+                }
                 budget -= n;
                 i += 1;
                 continue;
@@ -280,6 +318,9 @@ impl EngineState {
             s.computed = computed;
             s.scheduled = n;
             s.prefill_target = len;
+            if self.cache_at_schedule {
+                Self::register_full(cache, &mut s, computed + n, bs);
+            }
             if first {
                 s.cached_tokens = Some(computed);
                 self.metrics.prefix_cache_queries += s.prompt_len as u64;
@@ -292,6 +333,7 @@ impl EngineState {
 
         let mut pass = Pass {
             prefill_tokens: 0,
+            context_pairs: 0.0,
             decode_seqs: 0,
             usage: self.cache.usage(),
             preempted,
@@ -302,6 +344,9 @@ impl EngineState {
             }
             if s.computed < s.prefill_target {
                 pass.prefill_tokens += s.scheduled;
+                if self.context_attention {
+                    pass.context_pairs += s.scheduled as f64 * s.computed as f64;
+                }
             } else {
                 pass.decode_seqs += 1;
             }
@@ -320,14 +365,7 @@ impl EngineState {
             }
             s.computed += s.scheduled;
             s.scheduled = 0;
-            let full = s.computed / bs;
-            if full > s.registered {
-                kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
-                for j in s.registered..full {
-                    cache.register(s.blocks[j], s.hashes[j]);
-                }
-                s.registered = full;
-            }
+            Self::register_full(cache, s, s.computed, bs);
             if s.computed < s.tokens.len() {
                 return true; // chunked prefill continues next pass
             }
@@ -496,10 +534,10 @@ mod tests {
 
     #[test]
     fn timing_model_matches_dynamo() {
-        assert_eq!(pass_ms(0, false, 0.0), 0.0);
-        assert!((pass_ms(1000, false, 0.0) - (0.421 + 15.18 + 16.5)).abs() < 1e-9);
-        assert!((pass_ms(0, true, 0.0) - 5.74).abs() < 1e-9);
-        assert!((pass_ms(0, true, 0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
+        assert_eq!(pass_ms(0, 0.0, false, 0.0), 0.0);
+        assert!((pass_ms(1000, 0.0, false, 0.0) - (0.421 + 15.18 + 16.5)).abs() < 1e-9);
+        assert!((pass_ms(0, 0.0, true, 0.0) - 5.74).abs() < 1e-9);
+        assert!((pass_ms(0, 0.0, true, 0.5) - (-6.435 + 27.005 + 5.74)).abs() < 1e-9);
     }
 
     #[test]
@@ -564,6 +602,85 @@ mod tests {
             ),
             (100, 48)
         );
+    }
+
+    #[test]
+    fn same_prefix_scheduled_in_the_same_pass_already_hits() {
+        // vLLM caches full blocks when it allocates them: B, admitted right after A in the
+        // same pass, finds A's 12 full blocks and prefills only the last 2 tokens.
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        let mut a = st.submit(req(1, 50, 2), Instant::now());
+        let mut b = st.submit(req(1, 50, 2), Instant::now());
+        let p = st.schedule().unwrap();
+        assert_eq!(p.prefill_tokens, 50 + 2);
+        drain(&mut st);
+        assert_eq!(done(&mut a).cached_tokens, 0);
+        assert_eq!(done(&mut b).cached_tokens, 48);
+        // The old behaviour: blocks become hits only when their pass ends.
+        let mut st = EngineState::new(&Config {
+            cache_at_pass_end: true,
+            ..cfg(1000, 1000, 8)
+        });
+        let _a = st.submit(req(1, 50, 2), Instant::now());
+        let mut b = st.submit(req(1, 50, 2), Instant::now());
+        assert_eq!(st.schedule().unwrap().prefill_tokens, 100);
+        st.commit(Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut b).cached_tokens, 0);
+    }
+
+    #[test]
+    fn chunked_prefill_blocks_hit_before_the_request_finishes() {
+        // A's first 64-token chunk is registered when scheduled, so B (same prompt) admitted
+        // in the next pass skips it while A is still prefilling.
+        let mut st = EngineState::new(&cfg(1000, 64, 8));
+        let _a = st.submit(req(1, 200, 2), Instant::now());
+        st.schedule();
+        st.commit(Instant::now());
+        let mut b = st.submit(req(1, 200, 2), Instant::now());
+        drain(&mut st);
+        assert!(
+            done(&mut b).cached_tokens >= 128,
+            "B hit A's scheduled chunks"
+        );
+    }
+
+    #[test]
+    fn prefill_after_a_long_hit_pays_attention_to_the_context() {
+        // A 2k suffix after a 30k hit costs about twice a cold 2k prompt (Dynamo's quadratic
+        // term read as attention: 2 x 4.21e-7 ms per new token x context token).
+        let cold = pass_ms(2000, 0.0, false, 0.0);
+        let warm = pass_ms(2000, 2000.0 * 30_000.0, false, 0.0);
+        assert!((cold - 48.544).abs() < 1e-9, "{cold}");
+        assert!((warm - cold - 50.52).abs() < 1e-9, "{warm}");
+        let run = |attention: bool| {
+            let mut st = EngineState::new(&Config {
+                context_attention: attention,
+                ..cfg(20_000, 40_000, 8)
+            });
+            let _a = st.submit(req(1, 30_000, 1), Instant::now());
+            drain(&mut st);
+            let mut long = req(1, 32_000, 1);
+            long.tokens[30_000..]
+                .iter_mut()
+                .for_each(|t| *t += 7_000_000);
+            let _b = st.submit(long, Instant::now());
+            st.schedule().unwrap()
+        };
+        let p = run(true);
+        // All 30,000 tokens (7,500 full blocks of 4) hit; the other 2,000 are prefilled.
+        assert_eq!(p.prefill_tokens, 2000);
+        assert_eq!(p.context_pairs, 2000.0 * 30_000.0);
+        assert_eq!(p.ms(), warm);
+        assert!(p.ms() > 1.9 * cold, "{}", p.ms());
+        let flat = run(false);
+        assert_eq!(flat.context_pairs, 0.0);
+        assert_eq!(flat.ms(), cold);
+        // Chunked prefill of a cold prompt pays for the earlier chunks too.
+        let mut st = EngineState::new(&cfg(1000, 64, 8));
+        let _c = st.submit(req(3, 192, 1), Instant::now());
+        let pairs: Vec<f64> = drain(&mut st).iter().map(|p| p.context_pairs).collect();
+        assert_eq!(pairs, vec![0.0, 64.0 * 64.0, 64.0 * 128.0]);
     }
 
     #[test]

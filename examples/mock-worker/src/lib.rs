@@ -5,6 +5,7 @@ pub mod config;
 pub mod engine;
 pub mod kv;
 pub mod metrics;
+pub mod orca;
 pub mod server;
 pub mod tokenizer;
 

@@ -36,10 +36,12 @@ fn main() {
         eprintln!(
             "mock-worker {} listening on http://{} model={} role={} block_size={} kv_blocks={} max_batched_tokens={} \
              max_num_seqs={} max_model_len={} speedup={} decode_endpoint_header={} kv_bytes_per_token={} \
-             kv_transfer_bandwidth={} threads={} accept_any_model={}",
+             kv_transfer_bandwidth={} threads={} accept_any_model={} preset={} enable_prompt_tokens_details={} \
+             orca_on_stream={} context_attention={} cache_at_pass_end={}",
             h.name, h.addr, cfg.model, cfg.role, cfg.block_size, cfg.kv_blocks, cfg.max_batched_tokens,
             cfg.max_num_seqs, cfg.max_model_len, cfg.speedup, cfg.decode_endpoint_header, cfg.kv_bytes_per_token,
-            cfg.kv_transfer_bandwidth, cfg.threads, cfg.accept_any_model
+            cfg.kv_transfer_bandwidth, cfg.threads, cfg.accept_any_model, cfg.preset,
+            cfg.enable_prompt_tokens_details, cfg.orca_on_stream, cfg.context_attention, cfg.cache_at_pass_end
         );
         // SIGINT and SIGTERM end the process with their default action; nothing to flush.
         std::future::pending::<()>().await;

@@ -58,8 +58,10 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 
 pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     let mut o = String::with_capacity(4096);
+    // vLLM labels every engine metric with `engine` (its data-parallel index; one engine
+    // here) and `model_name`, printed sorted by name as prometheus_client does.
     let l = format!(
-        "model_name=\"{}\"",
+        "engine=\"0\",model_name=\"{}\"",
         info.model.replace('\\', "\\\\").replace('"', "\\\"")
     );
     let gauges = [
@@ -162,7 +164,7 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     );
     let _ = writeln!(
         o,
-        "vllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"True\",{l}}} 1",
+        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",{l},num_gpu_blocks=\"{}\"}} 1",
         info.block_size, info.kv_blocks
     );
     let h = "vllm:time_to_first_token_seconds";
@@ -186,7 +188,7 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
         "gauge",
         "The worker id sent in x-worker-id.",
     );
-    let _ = writeln!(o, "mock:worker_info{{worker_id=\"{}\",{l}}} 1", info.name);
+    let _ = writeln!(o, "mock:worker_info{{{l},worker_id=\"{}\"}} 1", info.name);
     o
 }
 
@@ -215,16 +217,17 @@ mod tests {
             },
         );
         for needle in [
-            "vllm:num_requests_running{model_name=\"m\"} 2",
-            "vllm:num_requests_waiting{model_name=\"m\"} 3",
-            "vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25",
-            "vllm:prefix_cache_hits{model_name=\"m\"} 7",
-            "vllm:prefix_cache_hits_total{model_name=\"m\"} 7",
-            "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"16384\"",
-            "vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"0.04\"} 1",
-            "vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"80\"} 1",
-            "vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 2",
-            "vllm:time_to_first_token_seconds_count{model_name=\"m\"} 2",
+            "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 2",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3",
+            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25",
+            "vllm:prefix_cache_hits{engine=\"0\",model_name=\"m\"} 7",
+            "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 7",
+            "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",model_name=\"m\",num_gpu_blocks=\"16384\"} 1",
+            "vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 0",
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.04\"} 1",
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"80\"} 1",
+            "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2",
+            "vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m\"} 2",
         ] {
             assert!(s.contains(needle), "missing {needle}\n{s}");
         }

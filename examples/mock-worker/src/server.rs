@@ -22,9 +22,10 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, ApiError, Kind, Parsed};
 use crate::config::{Config, Role};
-use crate::engine::{self, Event, Load, NewRequest, Shared, Usage};
+use crate::engine::{self, Event, NewRequest, Shared, Usage};
 use crate::kv;
 use crate::metrics;
+use crate::orca;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type RespBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -140,23 +141,21 @@ fn error(e: &ApiError, worker: &str) -> Response<RespBody> {
     )
 }
 
-/// The ORCA report in vLLM's format (`TEXT` or `JSON`), if the request asked for one.
-pub fn orca_value(format: Option<&HeaderValue>, load: Load) -> Option<HeaderValue> {
-    let f = format?.to_str().ok()?.trim();
-    let s = if f.eq_ignore_ascii_case("TEXT") {
-        format!(
-            "TEXT named_metrics.kv_cache_usage_perc={},named_metrics.num_requests_waiting={},named_metrics.num_requests_running={}",
-            load.kv_usage, load.waiting, load.running
-        )
-    } else if f.eq_ignore_ascii_case("JSON") {
-        format!(
-            "JSON {}",
-            json!({"named_metrics": {"kv_cache_usage_perc": load.kv_usage, "num_requests_waiting": load.waiting, "num_requests_running": load.running}})
-        )
-    } else {
-        return None;
-    };
-    HeaderValue::from_str(&s).ok()
+impl Ctx {
+    /// The ORCA report for a response, if the request asked for one and this kind of
+    /// response carries it: vLLM reports only on non-streaming JSON responses.
+    fn orca(&self, format: Option<&HeaderValue>, stream: bool) -> Option<HeaderValue> {
+        let legacy = self.shared.cfg.orca_on_stream;
+        if stream && !legacy {
+            return None;
+        }
+        let style = if legacy {
+            orca::Style::Legacy
+        } else {
+            orca::Style::Vllm
+        };
+        orca::report(format, self.shared.load(), style)
+    }
 }
 
 fn unix_now() -> u64 {
@@ -372,8 +371,8 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     };
     let model = parsed.model.clone().unwrap_or_else(|| cfg.model.clone());
     if parsed.stream {
-        // Streaming headers go out now, as vLLM's do, so the load report is taken now.
-        let orca = orca_value(orca_fmt.as_ref(), shared.load());
+        // Streaming headers go out now, so a (legacy) load report is taken now.
+        let orca = ctx.orca(orca_fmt.as_ref(), true);
         let sse = SseBody::new(
             rx,
             &id,
@@ -381,6 +380,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
             kind,
             parsed.max_tokens,
             parsed.include_usage,
+            cfg.enable_prompt_tokens_details,
         );
         let mut r = Response::new(sse.boxed_unsync());
         let h = r.headers_mut();
@@ -423,22 +423,31 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         "created": unix_now(),
         "model": model,
         "choices": [choice],
-        "usage": usage_json(&usage),
+        "usage": usage_json(&usage, cfg.enable_prompt_tokens_details, false),
     });
     let mut r = respond(StatusCode::OK, "application/json", body.to_string(), name);
-    if let Some(v) = orca_value(orca_fmt.as_ref(), shared.load()) {
+    if let Some(v) = ctx.orca(orca_fmt.as_ref(), false) {
         r.headers_mut().insert(ORCA_HEADER, v);
     }
     r
 }
 
-fn usage_json(u: &Usage) -> serde_json::Value {
-    json!({
+/// vLLM's `usage`. `prompt_tokens_details` only with `--enable-prompt-tokens-details`, and
+/// then even when nothing was cached (vLLM reports `cached_tokens: 0`). Without the flag a
+/// JSON response carries `"prompt_tokens_details": null` (pydantic's full dump) and a stream
+/// omits the field (vLLM dumps stream chunks with `exclude_unset`).
+fn usage_json(u: &Usage, details: bool, stream: bool) -> serde_json::Value {
+    let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    })
+        "completion_tokens": u.completion_tokens,
+    });
+    if details {
+        v["prompt_tokens_details"] = json!({"cached_tokens": u.cached_tokens});
+    } else if !stream {
+        v["prompt_tokens_details"] = serde_json::Value::Null;
+    }
+    v
 }
 
 async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<Usage> {
@@ -481,7 +490,7 @@ async fn prefill_handoff(
         };
         return error(&e, name);
     };
-    let own_orca = orca_value(orca_fmt.as_ref(), shared.load());
+    let own_orca = ctx.orca(orca_fmt.as_ref(), parsed.stream);
     let secs = usage.prompt_tokens as f64 * cfg.kv_bytes_per_token
         / cfg.kv_transfer_bandwidth
         / cfg.speedup;
@@ -543,6 +552,7 @@ struct SseBody {
     kind: Kind,
     max_tokens: usize,
     include_usage: bool,
+    details: bool,
     finished: bool,
 }
 
@@ -554,6 +564,7 @@ impl SseBody {
         kind: Kind,
         max_tokens: usize,
         include_usage: bool,
+        details: bool,
     ) -> Self {
         let object = if kind == Kind::Chat {
             "chat.completion.chunk"
@@ -572,6 +583,7 @@ impl SseBody {
             kind,
             max_tokens,
             include_usage,
+            details,
             finished: false,
         }
     }
@@ -624,7 +636,7 @@ impl SseBody {
             s.push_str("data: ");
             s.push_str(&self.head);
             s.push_str("],\"usage\":");
-            s.push_str(&usage_json(u).to_string());
+            s.push_str(&usage_json(u, self.details, true).to_string());
             s.push_str("}\n\n");
         }
         s.push_str("data: [DONE]\n\n");

@@ -23,7 +23,7 @@ fn last_usage(r: &Resp) -> Value {
 async fn repeated_prompt_hits_cache_and_lowers_ttft() {
     // About 7000 tokens: a cold prefill pass models ~150 ms, a cached one ~17 ms; at speedup 4
     // the gap (~33 ms) dwarfs parsing and tokenizing time, which both requests pay.
-    let w = worker("--speedup 4").await;
+    let w = worker("--speedup 4 --enable-prompt-tokens-details").await;
     let prompt = text(1, 6000);
     let a = post(w.addr, "/v1/completions", &stream_body(&prompt, 4), &[]).await;
     let b = post(w.addr, "/v1/completions", &stream_body(&prompt, 4), &[]).await;
@@ -47,7 +47,7 @@ async fn repeated_prompt_hits_cache_and_lowers_ttft() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_turn_chat_reuses_earlier_turns() {
-    let w = worker("--speedup 50").await;
+    let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
     let mut messages = vec![
         json!({"role": "system", "content": text(2, 300)}),
         json!({"role": "user", "content": "Summarise."}),
@@ -122,9 +122,9 @@ async fn burst_beyond_max_num_seqs_queues_and_raises_ttft() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn orca_header_and_metrics_agree_with_state() {
+async fn legacy_orca_on_streams_agrees_with_state() {
     // Four long requests occupy every slot; the rest queue and stay queued while we look.
-    let w = worker("--speedup 1 --max-num-seqs 4").await;
+    let w = worker("--speedup 1 --max-num-seqs 4 --orca-on-stream --preset legacy").await;
     let mut hold = vec![];
     for i in 0..10 {
         let addr = w.addr;
@@ -200,7 +200,7 @@ async fn orca_header_and_metrics_agree_with_state() {
         kv > 0.0 && (kv - metric(&m, "vllm:kv_cache_usage_perc")).abs() < 0.001,
         "kv {kv}"
     );
-    assert!(m.contains("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"16384\""));
+    assert!(m.contains("vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",model_name=\"mock-model\",num_gpu_blocks=\"16384\"} 1"));
     probe_req.abort();
     for h in hold {
         h.abort();
@@ -210,25 +210,91 @@ async fn orca_header_and_metrics_agree_with_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orca_text_format_on_a_finished_request() {
     let w = worker("--speedup 50").await;
+    let body = r#"{"prompt":"hello there","max_tokens":2}"#;
     let r = post(
         w.addr,
         "/v1/completions",
-        r#"{"prompt":"hello there","max_tokens":2}"#,
+        body,
         &[("endpoint-load-metrics-format", "TEXT")],
     )
     .await;
+    // vLLM's report: waiting then KV usage, Python floats, ", " between them.
     assert_eq!(
         r.header("endpoint-load-metrics"),
-        Some("TEXT named_metrics.kv_cache_usage_perc=0,named_metrics.num_requests_waiting=0,named_metrics.num_requests_running=0")
+        Some("TEXT named_metrics.num_requests_waiting=0.0, named_metrics.kv_cache_usage_perc=0.0")
     );
-    let plain = post(
+    let j = post(
         w.addr,
-        "/v1/completions",
-        r#"{"prompt":"hello there","max_tokens":2}"#,
-        &[],
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#,
+        &[("endpoint-load-metrics-format", "json")],
     )
     .await;
+    assert_eq!(
+        j.header("endpoint-load-metrics"),
+        Some(
+            r#"JSON {"named_metrics": {"num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}}"#
+        )
+    );
+    let plain = post(w.addr, "/v1/completions", body, &[]).await;
     assert!(plain.header("endpoint-load-metrics").is_none());
+    // vLLM attaches no report to a streaming response.
+    let s = post(
+        w.addr,
+        "/v1/completions",
+        &stream_body("hello there", 2),
+        &[("endpoint-load-metrics-format", "TEXT")],
+    )
+    .await;
+    assert_eq!(s.status, 200);
+    assert!(s.header("endpoint-load-metrics").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orca_reports_load_at_completion_of_a_non_streaming_request() {
+    // Two long streams hold KV; a short non-streaming request reports the load it saw when it
+    // finished: the streams' blocks in KV usage, nothing waiting, no running count.
+    let w = worker("--speedup 10").await;
+    let mut hold = vec![];
+    for i in 0..2 {
+        let addr = w.addr;
+        hold.push(tokio::spawn(async move {
+            post(
+                addr,
+                "/v1/completions",
+                &stream_body(&text(300 + i, 400), 100_000),
+                &[],
+            )
+            .await
+        }));
+    }
+    for _ in 0..200 {
+        if w.shared.load().running == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"prompt":"short","max_tokens":1}"#,
+        &[("endpoint-load-metrics-format", "TEXT")],
+    )
+    .await;
+    let h = r.header("endpoint-load-metrics").unwrap().to_string();
+    assert!(
+        h.starts_with(
+            "TEXT named_metrics.num_requests_waiting=0.0, named_metrics.kv_cache_usage_perc="
+        ),
+        "{h}"
+    );
+    let kv: f64 = h.rsplit('=').next().unwrap().parse().unwrap();
+    // Two prompts of ~400 words in 26,624 blocks of 16.
+    assert!(kv > 40.0 / 26_624.0 && kv < 0.01, "{h}");
+    assert!(!h.contains("running"), "vLLM does not report running: {h}");
+    for t in hold {
+        t.abort();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -441,8 +507,8 @@ async fn probe_reports_hits_without_changing_state() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_hands_off_to_decode_worker() {
-    let d = worker("--speedup 5 --role decode --name dec").await;
-    let p = worker("--speedup 5 --role prefill --name pre").await;
+    let d = worker("--speedup 5 --role decode --name dec --enable-prompt-tokens-details").await;
+    let p = worker("--speedup 5 --role prefill --name pre --enable-prompt-tokens-details").await;
     let ep = d.addr.to_string();
     let prompt = text(5, 900);
     let r = post(
@@ -459,14 +525,9 @@ async fn prefill_hands_off_to_decode_worker() {
     assert_eq!(r.header("x-worker-id"), Some("dec"));
     assert_eq!(r.header("x-prefill-worker-id"), Some("pre"));
     assert_eq!(r.header("x-prefill-cached-tokens"), Some("0"));
-    assert!(r
-        .header("endpoint-load-metrics")
-        .unwrap()
-        .starts_with("TEXT "));
-    assert!(r
-        .header("x-decode-endpoint-load-metrics")
-        .unwrap()
-        .starts_with("TEXT "));
+    // A stream carries no ORCA report, from either worker.
+    assert!(r.header("endpoint-load-metrics").is_none());
+    assert!(r.header("x-decode-endpoint-load-metrics").is_none());
     let (chunks, done) = r.sse();
     assert!(done);
     assert!(
@@ -515,10 +576,16 @@ async fn prefill_hands_off_to_decode_worker() {
         p.addr,
         "/v1/completions",
         &body,
-        &[("x-kvroute-decode-endpoint", &ep)],
+        &[
+            ("x-kvroute-decode-endpoint", &ep),
+            ("endpoint-load-metrics-format", "TEXT"),
+        ],
     )
     .await;
     assert_eq!(r.json()["usage"]["completion_tokens"], 5);
+    for h in ["endpoint-load-metrics", "x-decode-endpoint-load-metrics"] {
+        assert!(r.header(h).unwrap().starts_with("TEXT "), "{h}");
+    }
     assert_eq!(
         r.header("x-prefill-cached-tokens").unwrap(),
         ((n - 1) / 16 * 16).to_string()
@@ -535,4 +602,35 @@ async fn prefill_hands_off_to_decode_worker() {
     )
     .await;
     assert_eq!(dead.status, 502);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_tokens_details_only_with_the_vllm_flag() {
+    let body = json!({"prompt": text(9, 200), "max_tokens": 2}).to_string();
+    let stream = stream_body(&text(9, 200), 2);
+    // Default, like vLLM without --enable-prompt-tokens-details: null in a JSON response,
+    // absent from the stream's usage chunk, even on a cache hit.
+    let w = worker("--speedup 50").await;
+    for _ in 0..2 {
+        let u = &post(w.addr, "/v1/completions", &body, &[]).await.json()["usage"];
+        assert!(u["prompt_tokens"].as_u64().unwrap() > 100);
+        assert!(u.as_object().unwrap().contains_key("prompt_tokens_details"));
+        assert!(u["prompt_tokens_details"].is_null(), "{u}");
+        let su = last_usage(&post(w.addr, "/v1/completions", &stream, &[]).await);
+        assert!(su.get("prompt_tokens_details").is_none(), "{su}");
+    }
+    // With the flag: reported, a cold prompt included (cached_tokens 0).
+    let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
+    let cold = post(w.addr, "/v1/completions", &body, &[]).await.json();
+    assert_eq!(
+        cold["usage"]["prompt_tokens_details"],
+        json!({"cached_tokens": 0})
+    );
+    let su = last_usage(&post(w.addr, "/v1/completions", &stream, &[]).await);
+    assert!(
+        su["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 100
+    );
 }
