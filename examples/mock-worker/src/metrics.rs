@@ -39,6 +39,8 @@ pub struct Metrics {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub preemptions: u64,
+    /// Cached blocks evicted to make room (not a vLLM metric; the benchmark reports it).
+    pub evicted_blocks: u64,
     pub ttft: Histogram,
     pub passes: u64,
     pub simulated_seconds: f64,
@@ -129,6 +131,12 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
             "vllm:num_preemptions_total",
             "Cumulative number of preemptions.",
             m.preemptions,
+            "",
+        ),
+        (
+            "mock:kv_evicted_blocks_total",
+            "Cached KV blocks evicted to make room for new ones.",
+            m.evicted_blocks,
             "",
         ),
         (

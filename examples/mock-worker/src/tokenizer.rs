@@ -8,7 +8,7 @@
 //! the merges with a small vocabulary:
 //!
 //! - a letter run takes one leading space (or one punctuation char, as in `.get` or `_name`);
-//!   a word of [`COMMON_WORDS`] (in lower, Capitalized or UPPER case) is one token; camelCase
+//!   a word of [`ENGLISH_WORDS`] or [`CODE_WORDS`] (in lower, Capitalized or UPPER case) is one token; camelCase
 //!   runs split at case changes; any other word splits greedily into the longest known
 //!   pieces (common words and [`SUBWORDS`], at most [`MAX_PIECE`] letters), two letters at a
 //!   time where nothing is known;
@@ -29,10 +29,11 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const TOKEN_SEED: u64 = 0x006b_7672_6f75_7465;
 
-/// Words that are one token each, most frequent first (the load generator draws prose from
-/// this list with Zipf weights by rank). Real vocabularies hold tens of thousands of such
-/// words; this list covers the common ones, and everything else splits into pieces.
-pub const COMMON_WORDS: &str = "\
+/// English words that are one token each, roughly most frequent first (the load generator
+/// draws prose from this list with Zipf weights by rank). Real vocabularies hold tens of
+/// thousands of such words; this list and [`CODE_WORDS`] cover common ones, other words are
+/// one token or several by the rule in `Vocab::single_token`.
+pub const ENGLISH_WORDS: &str = "\
 the of and to a in is that for it was on with as he be by at this are from his or an \
 have not but they which you one were had all we there their been has can if more when will \
 would who so no she out up about what them into said than its only other some could time \
@@ -55,7 +56,20 @@ itself york times law human line above name example action company hands local s
 five history gave today either act feet across taken past quite anything having seen death \
 experience body word half really week free field car words already information tell \
 together college shall money period held keep sure probably real behind seems father \
-question change data model value user file error result item request response client \
+question change answer question questions document documents summary section chapter paper study \
+research analysis results method methods approach problem problems solution solutions \
+report reports team customer customers product products market price cost sales plan \
+policy support issue issues review note notes meeting project projects account email \
+address phone date today tomorrow morning evening week month months year years hour \
+hours minute minutes second seconds please thanks thank hello sorry yes okay sure \
+understand explain describe write provide following based using include including \
+however therefore although because while whether without within between across \
+about above below before after during under over into onto upon toward towards \
+";
+
+/// Words of code and tool output that are one token each.
+pub const CODE_WORDS: &str = "\
+data model value user file error result item request response client \
 server status type key list text message code test function return true false null none \
 self class import from def print string int float bool dict len str range new public \
 private static void const let var async await struct impl pub fn mut use crate match enum \
@@ -69,15 +83,6 @@ bytes buffer stream reader writer file files line lines path paths dir directory
 names label labels level levels limit offset page pages step steps state states task tasks \
 job jobs queue worker workers thread threads process time timeout retry retries delay \
 rate score weight weights layer layers batch epoch train training loss learning network \
-answer question questions document documents summary section chapter paper study \
-research analysis results method methods approach problem problems solution solutions \
-report reports team customer customers product products market price cost sales plan \
-policy support issue issues review note notes meeting project projects account email \
-address phone date today tomorrow morning evening week month months year years hour \
-hours minute minutes second seconds please thanks thank hello sorry yes okay sure \
-understand explain describe write provide following based using include including \
-however therefore although because while whether without within between across \
-about above below before after during under over into onto upon toward towards \
 ";
 
 /// Word pieces that real vocabularies hold as tokens of their own: prefixes, suffixes and
@@ -154,24 +159,23 @@ struct Vocab {
     bigrams: [bool; 26 * 26],
 }
 
+fn common_words() -> impl Iterator<Item = &'static str> {
+    ENGLISH_WORDS
+        .split_ascii_whitespace()
+        .chain(CODE_WORDS.split_ascii_whitespace())
+}
+
 fn vocab() -> &'static Vocab {
     static V: OnceLock<Vocab> = OnceLock::new();
     V.get_or_init(|| {
-        let words: KeySet = COMMON_WORDS
-            .split_ascii_whitespace()
-            .filter_map(|w| key(w.as_bytes()))
-            .collect();
-        let pieces: KeySet = COMMON_WORDS
-            .split_ascii_whitespace()
+        let words: KeySet = common_words().filter_map(|w| key(w.as_bytes())).collect();
+        let pieces: KeySet = common_words()
             .chain(SUBWORDS.split_ascii_whitespace())
             .filter(|w| w.len() <= MAX_PIECE)
             .filter_map(|w| key(w.as_bytes()))
             .collect();
         let mut bigrams = [false; 26 * 26];
-        for w in COMMON_WORDS
-            .split_ascii_whitespace()
-            .chain(SUBWORDS.split_ascii_whitespace())
-        {
+        for w in common_words().chain(SUBWORDS.split_ascii_whitespace()) {
             for p in w.as_bytes().windows(2) {
                 bigrams[pair(p[0], p[1])] = true;
             }
@@ -215,7 +219,7 @@ impl Vocab {
     }
 }
 
-/// True if `text` is one word of [`COMMON_WORDS`] (any of the cases that stay one token).
+/// True if `text` is one word of [`ENGLISH_WORDS`] or [`CODE_WORDS`] (any of the cases that stay one token).
 pub fn is_common_word(text: &str) -> bool {
     let b = text.as_bytes();
     !b.is_empty()
