@@ -97,7 +97,9 @@ def run_policy(name: str, kvroute: dict | None) -> dict:
 
 def demo() -> int:
     print(f"kvroute demo: {USERS} users x {TURNS} chat turns sharing {APPS} long system prompts, "
-          f"{CONCURRENCY} at a time, on 4 mock workers ({KV_BLOCKS} KV blocks each, speedup {SPEEDUP:g})")
+          f"{CONCURRENCY} at a time, on 4 mock workers ({KV_BLOCKS} KV blocks each, speedup {SPEEDUP:g}; "
+          f"real-vLLM signals: ORCA on non-streaming replies only, cached_tokens via "
+          f"--enable-prompt-tokens-details as a kvroute user would set)")
     rows = []
     scoring = json.loads(os.environ.get("DEMO_SCORING", "{}"))
     for name, cfg in [("envoy round-robin", None),

@@ -42,6 +42,24 @@ pub struct Outcome {
     pub completion_tokens: u64,
     /// Generated text (kept only when asked: multi-turn chats append it).
     pub text: String,
+    /// The mock engine's own TTFT and end-to-end time (`x-mock-engine-timing`), seconds on its
+    /// schedule: free of client, router and CPU-contention delays.
+    pub engine_ttft: Option<f64>,
+    pub engine_e2e: Option<f64>,
+}
+
+/// Name of the mock's engine-timing report (a header, or an SSE comment line).
+pub const ENGINE_TIMING: &str = "x-mock-engine-timing";
+
+/// Reads `ttft=..;e2e=..` into the outcome.
+fn read_engine_timing(v: &str, o: &mut Outcome) {
+    for kv in v.trim().split(';') {
+        match kv.split_once('=') {
+            Some(("ttft", x)) => o.engine_ttft = x.parse().ok(),
+            Some(("e2e", x)) => o.engine_e2e = x.parse().ok(),
+            _ => {}
+        }
+    }
 }
 
 fn header_str(h: &hyper::HeaderMap, name: &str) -> String {
@@ -100,6 +118,7 @@ async fn send_inner(
     };
     o.status = resp.status().as_u16();
     o.worker = header_str(resp.headers(), "x-worker-id");
+    read_engine_timing(&header_str(resp.headers(), ENGINE_TIMING), &mut o);
     let streaming = header_str(resp.headers(), "content-type").starts_with("text/event-stream");
     let mut body = resp.into_body();
     if o.status != 200 {
@@ -195,6 +214,12 @@ fn handle_event(
     keep_text: bool,
 ) {
     for line in ev.split(|&b| b == b'\n') {
+        if let Some(c) = line.strip_prefix(b": ") {
+            if let Some(v) = c.strip_prefix(ENGINE_TIMING.as_bytes()) {
+                read_engine_timing(&String::from_utf8_lossy(v), o);
+            }
+            continue;
+        }
         let Some(data) = line.strip_prefix(b"data:") else {
             continue;
         };
@@ -252,4 +277,39 @@ pub async fn probe(c: &HttpClient, base: &str, body: Bytes) -> Result<(u64, u64)
         v["prompt_tokens"].as_u64().unwrap_or(0),
         v["cached_tokens"].as_u64().unwrap_or(0),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_timing_from_header_value_and_sse_comment() {
+        let mut o = Outcome::default();
+        read_engine_timing("ttft=0.012500;e2e=0.250000", &mut o);
+        assert_eq!((o.engine_ttft, o.engine_e2e), (Some(0.0125), Some(0.25)));
+        let mut o = Outcome::default();
+        let t0 = Instant::now();
+        let mut last = None;
+        handle_event(
+            b"data: {\"choices\":[{\"text\":\" a\"}]}",
+            t0,
+            t0,
+            &mut last,
+            &mut o,
+            false,
+        );
+        handle_event(
+            b": x-mock-engine-timing ttft=0.1;e2e=0.3",
+            t0,
+            t0,
+            &mut last,
+            &mut o,
+            false,
+        );
+        handle_event(b": keep-alive", t0, t0, &mut last, &mut o, false);
+        assert_eq!(o.out_tokens, 1);
+        assert!(o.error.is_none(), "comments are not data");
+        assert_eq!((o.engine_ttft, o.engine_e2e), (Some(0.1), Some(0.3)));
+    }
 }

@@ -408,6 +408,7 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
     let body = Bytes::from(serde_json::to_vec(&job.body).expect("json"));
     let headers = [("x-session-id", job.session.clone())];
     let mut oracle_cached = None;
+    let mut probe_s = None;
     let o = if let Some(or) = &ctx.oracle {
         match or.pick(&ctx.client, &body, job.max_tokens).await {
             Err(e) => Outcome {
@@ -417,6 +418,10 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
             },
             Ok(p) => {
                 oracle_cached = Some(p.cached);
+                // The request leaves now: its TTFT starts after the probes, which are the
+                // oracle's bookkeeping, not part of serving it.
+                probe_s = Some(t0.elapsed().as_secs_f64());
+                let t_send = Instant::now();
                 let p = Arc::new(p);
                 let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
                 let (ctx2, p2, r2) = (ctx.clone(), p.clone(), released.clone());
@@ -432,7 +437,7 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
                     &url,
                     body,
                     &headers,
-                    t0,
+                    t_send,
                     job.keep_text,
                     ctx.timeout,
                     Some(on_first),
@@ -477,9 +482,12 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
         "max_tokens": job.max_tokens,
         "prompt_tokens": o.prompt_tokens,
         "cached_tokens": o.cached_tokens,
+        "engine_ttft": o.engine_ttft,
+        "engine_e2e": o.engine_e2e,
     });
     if let Some(c) = oracle_cached {
         rec["oracle_probe_cached"] = json!(c);
+        rec["probe_s"] = json!(probe_s);
     }
     if let (Some(m), Some(e)) = (rec.as_object_mut(), job.extra.as_object()) {
         for (k, v) in e {

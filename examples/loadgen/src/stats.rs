@@ -49,6 +49,9 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
     let f = |r: &Value, k: &str| r[k].as_f64();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "ttft")).collect();
     let e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "e2e")).collect();
+    // The mock engine's own timings (absent against a real engine or a non-mock worker).
+    let engine_ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_ttft")).collect();
+    let engine_e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_e2e")).collect();
     let itl: Vec<f64> = gaps
         .iter()
         .filter(|(i, _)| *i >= a.warmup)
@@ -144,6 +147,8 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         "e2e_s": dist(e2e.clone(), 1.0),
         "e2e_sim_s": dist(e2e, s),
         "late_s": dist(late, 1.0),
+        "engine_ttft_sim_s": dist(engine_ttft, s),
+        "engine_e2e_sim_s": dist(engine_e2e, s),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "output_tokens": out_tokens,

@@ -3,18 +3,20 @@
 //! Parsing goes through `serde_json::Value` rather than typed structs so that each wrong
 //! field gets its own message and `param`, like vLLM's validation errors.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::tokenizer;
 
-/// A 4xx answer in OpenAI's error shape.
+/// An error answer in vLLM's shape: `{"error":{"message":..,"type":..,"param":..,"code":N}}`
+/// where `code` is the HTTP status as an integer and `type` names the status class
+/// (`BadRequestError`, `NotFoundError`, ...), serialized compactly in that key order as
+/// FastAPI's `JSONResponse` writes pydantic's `ErrorResponse`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: u16,
     pub message: String,
     pub kind: &'static str,
     pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -22,27 +24,35 @@ impl ApiError {
         ApiError {
             status: 400,
             message: message.into(),
-            kind: "invalid_request_error",
+            kind: "BadRequestError",
             param,
-            code: None,
         }
     }
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-    pub fn not_found(message: impl Into<String>, code: &'static str) -> Self {
+    pub fn not_found(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError {
             status: 404,
             message: message.into(),
-            kind: "invalid_request_error",
+            kind: "NotFoundError",
+            param,
+        }
+    }
+    /// Any other status; `kind` is the class name vLLM would use.
+    pub fn other(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
             param: None,
-            code: Some(code),
         }
     }
     pub fn body(&self) -> String {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
-            .to_string()
+        format!(
+            "{{\"error\":{{\"message\":{},\"type\":{},\"param\":{},\"code\":{}}}}}",
+            Value::from(self.message.as_str()),
+            Value::from(self.kind),
+            self.param.map_or(Value::Null, Value::from),
+            self.status
+        )
     }
 }
 
@@ -150,28 +160,37 @@ fn token_list(v: &[Value]) -> Option<Vec<u32>> {
 /// Tokens of a completions `prompt`. For a list of prompts only the first is served: the mock
 /// answers a batch of one (one `choices` entry), and says so in its README.
 fn completion_tokens(prompt: &Value) -> Result<Vec<u32>, ApiError> {
+    let mut all = completion_prompts(prompt, false)?;
+    Ok(all.swap_remove(0))
+}
+
+/// Every prompt of a completions `prompt` (`all`), or just the first; never empty.
+pub fn completion_prompts(prompt: &Value, all: bool) -> Result<Vec<Vec<u32>>, ApiError> {
     let wrong = || {
         ApiError::bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", Some("prompt"))
     };
+    let take = |n: usize| if all { n } else { 1 };
     match prompt {
-        Value::String(s) => Ok(tokenizer::encode(s)),
+        Value::String(s) => Ok(vec![tokenizer::encode(s)]),
         Value::Array(items) => match items.first() {
             None => Err(ApiError::bad("'prompt' must not be empty", Some("prompt"))),
             Some(Value::String(_)) => {
                 if items.iter().all(Value::is_string) {
-                    Ok(tokenizer::encode(items[0].as_str().unwrap()))
+                    Ok(items
+                        .iter()
+                        .take(take(items.len()))
+                        .map(|v| tokenizer::encode(v.as_str().unwrap_or("")))
+                        .collect())
                 } else {
                     Err(wrong())
                 }
             }
-            Some(Value::Number(_)) => token_list(items).ok_or_else(wrong),
-            Some(Value::Array(first)) => {
-                if items.iter().all(Value::is_array) {
-                    token_list(first).ok_or_else(wrong)
-                } else {
-                    Err(wrong())
-                }
-            }
+            Some(Value::Number(_)) => Ok(vec![token_list(items).ok_or_else(wrong)?]),
+            Some(Value::Array(_)) if items.iter().all(Value::is_array) => items
+                .iter()
+                .take(take(items.len()))
+                .map(|v| v.as_array().and_then(|a| token_list(a)).ok_or_else(wrong))
+                .collect(),
             Some(_) => Err(wrong()),
         },
         _ => Err(wrong()),
@@ -208,14 +227,13 @@ fn opt_bool(
 /// `messages` is a chat.
 pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(
-            ApiError::bad("request body is empty; expected a JSON object", None)
-                .with_code("invalid_json"),
-        );
+        return Err(ApiError::bad(
+            "request body is empty; expected a JSON object",
+            None,
+        ));
     }
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad(format!("invalid JSON body: {e}"), None).with_code("invalid_json")
-    })?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}"), None))?;
     let obj = v
         .as_object()
         .ok_or_else(|| ApiError::bad("request body must be a JSON object", None))?;
@@ -319,6 +337,7 @@ pub fn parse(body: &[u8], chat: Option<bool>) -> Result<Parsed, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn chat(msgs: Value) -> Vec<u32> {
         parse(
@@ -376,5 +395,17 @@ mod tests {
         assert!(parse(b"", None).is_err());
         assert!(parse(b"{", None).is_err());
         assert!(parse(br#"{"prompt":"x","max_tokens":"3"}"#, None).is_err());
+    }
+
+    #[test]
+    fn error_body_is_vllms_byte_for_byte() {
+        assert_eq!(
+            ApiError::not_found("The model `x` does not exist.", Some("model")).body(),
+            r#"{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","param":"model","code":404}}"#
+        );
+        assert_eq!(
+            ApiError::bad("bad \"q\"", None).body(),
+            r#"{"error":{"message":"bad \"q\"","type":"BadRequestError","param":null,"code":400}}"#
+        );
     }
 }

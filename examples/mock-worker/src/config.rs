@@ -49,6 +49,9 @@ pub struct Config {
     /// Old mock behaviour: blocks become prefix hits only when the pass that computes them
     /// ends. vLLM registers full blocks when it allocates them (schedule time).
     pub cache_at_pass_end: bool,
+    /// Report the engine's own timing (`x-mock-engine-timing`), the mock's one addition to
+    /// vLLM's responses.
+    pub engine_timing: bool,
 }
 
 /// A real deployment's capacity: what vLLM would size on that hardware.
@@ -147,6 +150,7 @@ impl Default for Config {
             enable_prompt_tokens_details: false,
             context_attention: true,
             cache_at_pass_end: false,
+            engine_timing: true,
         };
         c.apply_preset(&PRESETS[0]);
         c
@@ -199,6 +203,11 @@ Engine model:
   --no-context-attention       Prefill cost ignores tokens already in context (old mock)
   --cache-at-pass-end          Blocks become prefix hits when their pass ends (old mock);
                                by default, as in vLLM, when they are allocated
+
+Engine timing:
+  --no-engine-timing           Omit the x-mock-engine-timing report (header on JSON responses,
+                               SSE comment before [DONE]): ttft and e2e in seconds on the
+                               engine's own schedule, immune to CPU contention
 
 Old mock behaviour:
   --orca-on-stream             ORCA report on every response, streams included (taken when
@@ -270,6 +279,7 @@ impl Config {
                 "--orca-on-stream" => c.orca_on_stream = true,
                 "--no-context-attention" => c.context_attention = false,
                 "--cache-at-pass-end" => c.cache_at_pass_end = true,
+                "--no-engine-timing" => c.engine_timing = false,
                 "--threads" => c.threads = num(&flag, &val()?)?,
                 "--max-model-len" => c.max_model_len = num(&flag, &val()?)?,
                 "--block-size" => c.block_size = num(&flag, &val()?)?,
@@ -331,6 +341,20 @@ impl Config {
             );
         }
         Ok(())
+    }
+
+    /// vLLM refuses to start when `max_model_len` exceeds what the KV cache can hold; the
+    /// mock shrinks it to the capacity instead (tests run with small caches) and says so.
+    pub fn fit_context_to_kv(&mut self) -> Option<String> {
+        let cap = self.kv_blocks.saturating_mul(self.block_size);
+        (self.max_model_len > cap).then(|| {
+            let msg = format!(
+                "--max-model-len {} exceeds the KV cache ({} blocks x {} = {cap} tokens), where vLLM would refuse to start; using {cap}",
+                self.max_model_len, self.kv_blocks, self.block_size
+            );
+            self.max_model_len = cap;
+            msg
+        })
     }
 
     /// The id in `x-worker-id`; defaults to `mock-<port>` with the port actually bound.

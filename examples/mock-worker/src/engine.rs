@@ -73,11 +73,21 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
+/// When a request's work happened on the engine's own schedule (simulated time in wall-clock
+/// units: what a client would see if the process always kept up).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Arrival to the end of the pass that produced the first output token, seconds.
+    pub ttft: f64,
+    /// Arrival to the end of the pass that produced the last output token, seconds.
+    pub e2e: f64,
+}
+
 #[derive(Debug)]
 pub enum Event {
     /// Output token number `i` (0-based) was produced.
     Token(usize),
-    Done(Usage),
+    Done(Usage, Timing),
 }
 
 pub struct NewRequest {
@@ -107,6 +117,8 @@ struct Seq {
     transferred: usize,
     cached_tokens: Option<usize>,
     arrival: Instant,
+    /// Scheduled end of the pass that produced the first output token.
+    first_token: Option<Instant>,
     tx: mpsc::UnboundedSender<Event>,
 }
 
@@ -136,6 +148,7 @@ impl Seq {
             transferred: req.transferred,
             cached_tokens: None,
             arrival,
+            first_token: None,
             tx,
         };
         (seq, rx)
@@ -225,8 +238,24 @@ impl EngineState {
 
     pub fn submit(&mut self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
         let (seq, rx) = Seq::new(req, self.block_size, arrival);
-        self.waiting.push_back(seq);
+        self.enqueue(seq);
         rx
+    }
+
+    /// Queues in arrival order: a request whose parsing took longer than a later one's still
+    /// goes first, as it would had the engine received it on arrival.
+    fn enqueue(&mut self, seq: Seq) {
+        let at = self
+            .waiting
+            .iter()
+            .rposition(|w| w.arrival <= seq.arrival)
+            .map_or(0, |i| i + 1);
+        self.waiting.insert(at, seq);
+    }
+
+    /// Arrival of the earliest queued request.
+    pub fn first_arrival(&self) -> Option<Instant> {
+        self.waiting.iter().map(|s| s.arrival).min()
     }
 
     /// Prefix-cache probe over precomputed block hashes; see `hit_blocks`.
@@ -256,6 +285,12 @@ impl EngineState {
 
     /// First half of a pass. Returns `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Pass> {
+        self.schedule_at(None)
+    }
+
+    /// `schedule` for a pass starting at `start`: requests that arrived after it wait for
+    /// the next pass, as they would on an engine that received them on arrival.
+    pub fn schedule_at(&mut self, start: Option<Instant>) -> Option<Pass> {
         let bs = self.block_size;
         let mut budget = self.max_batched_tokens;
         let mut preempted = 0;
@@ -287,6 +322,9 @@ impl EngineState {
         // Then admit waiting requests FCFS, unless this pass already had to preempt.
         while preempted == 0 && budget > 0 && self.running.len() < self.max_num_seqs {
             let Some(s) = self.waiting.front() else { break };
+            if start.is_some_and(|t| s.arrival > t) {
+                break;
+            }
             if s.tx.is_closed() {
                 self.waiting.pop_front();
                 continue;
@@ -355,7 +393,8 @@ impl EngineState {
         (pass.prefill_tokens > 0 || pass.decode_seqs > 0).then_some(pass)
     }
 
-    /// Second half of a pass: the scheduled tokens are computed now.
+    /// Second half of a pass: the scheduled tokens are computed at `now`, the pass's end on
+    /// the engine's schedule.
     pub fn commit(&mut self, now: Instant) {
         let bs = self.block_size;
         let cache = &mut self.cache;
@@ -375,18 +414,28 @@ impl EngineState {
             s.tokens.push(output_token(idx));
             m.generation_tokens += 1;
             if idx == 0 {
-                m.ttft.observe(now.duration_since(s.arrival).as_secs_f64());
+                s.first_token = Some(now);
+                m.ttft
+                    .observe(now.saturating_duration_since(s.arrival).as_secs_f64());
             }
             let alive = s.tx.send(Event::Token(idx)).is_ok();
             let done = s.generated >= s.max_tokens;
             if done {
                 m.request_success += 1;
                 m.prompt_tokens += s.prompt_len as u64;
-                let _ = s.tx.send(Event::Done(Usage {
-                    prompt_tokens: s.prompt_len,
-                    completion_tokens: s.generated,
-                    cached_tokens: s.cached_tokens.unwrap_or(0),
-                }));
+                let since = |t: Instant| t.saturating_duration_since(s.arrival).as_secs_f64();
+                let timing = Timing {
+                    ttft: since(s.first_token.unwrap_or(now)),
+                    e2e: since(now),
+                };
+                let _ = s.tx.send(Event::Done(
+                    Usage {
+                        prompt_tokens: s.prompt_len,
+                        completion_tokens: s.generated,
+                        cached_tokens: s.cached_tokens.unwrap_or(0),
+                    },
+                    timing,
+                ));
             }
             if done || !alive {
                 if !done {
@@ -402,6 +451,16 @@ impl EngineState {
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
+
+    /// When the next pass can start, given the end of the last one: at once if requests are
+    /// running, else when the first queued request arrived (stamped on receipt, however long
+    /// reading and parsing it took). `None` when there is nothing to do.
+    pub fn next_start(&self, clock: Instant) -> Option<Instant> {
+        if !self.running.is_empty() {
+            return Some(clock);
+        }
+        self.first_arrival().map(|a| a.max(clock))
+    }
 }
 
 /// Everything the HTTP side shares with the engine loop.
@@ -410,6 +469,30 @@ pub struct Shared {
     pub name: String,
     pub state: Mutex<EngineState>,
     pub wake: Notify,
+    /// Requests received (arrival stamped) but not yet submitted: still reading or parsing.
+    pending: Mutex<Vec<(u64, Instant)>>,
+    pending_changed: Notify,
+    next_arrival: std::sync::atomic::AtomicU64,
+}
+
+/// A request between its arrival and its submission to the engine. The engine holds back a
+/// pass while a request that arrived before the pass's start is still being parsed, so
+/// parsing and tokenizing time (which a loaded process stretches) does not reorder admission.
+pub struct Arrival {
+    shared: Arc<Shared>,
+    id: u64,
+    pub at: Instant,
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        self.shared
+            .pending
+            .lock()
+            .unwrap()
+            .retain(|&(id, _)| id != self.id);
+        self.shared.pending_changed.notify_waiters();
+    }
 }
 
 impl Shared {
@@ -419,12 +502,32 @@ impl Shared {
             cfg,
             name,
             wake: Notify::new(),
+            pending: Mutex::new(Vec::new()),
+            pending_changed: Notify::new(),
+            next_arrival: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
-    pub fn submit(&self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
-        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival);
-        self.state.lock().unwrap().waiting.push_back(seq);
+    /// Stamps a request's arrival; call on receipt, before reading the body.
+    pub fn arrive(self: &Arc<Self>) -> Arrival {
+        let id = self
+            .next_arrival
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let at = Instant::now();
+        self.pending.lock().unwrap().push((id, at));
+        Arrival {
+            shared: self.clone(),
+            id,
+            at,
+        }
+    }
+
+    pub fn submit(&self, req: NewRequest, arrival: Arrival) -> mpsc::UnboundedReceiver<Event> {
+        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival.at);
+        self.state.lock().unwrap().enqueue(seq);
+        // Queued before the arrival leaves the pending list, so the engine sees it in one or
+        // the other.
+        drop(arrival);
         self.wake.notify_one();
         rx
     }
@@ -432,53 +535,75 @@ impl Shared {
     pub fn load(&self) -> Load {
         self.state.lock().unwrap().load()
     }
+
+    /// Waits (boundedly) until no request that arrived before `start` is still being parsed.
+    async fn await_arrivals_before(&self, start: Instant) {
+        let give_up = Instant::now() + MAX_PARSE_WAIT;
+        loop {
+            let changed = self.pending_changed.notified();
+            let blocking = self
+                .pending
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|&(_, at)| at < start);
+            let now = Instant::now();
+            if !blocking || now >= give_up {
+                return;
+            }
+            let _ = tokio::time::timeout(give_up - now, changed).await;
+        }
+    }
 }
 
-/// How far the loop may fall behind its schedule before it stops catching up. Timer
-/// granularity (~1 ms) makes short passes overshoot; accumulating deadlines keeps the average
-/// pass rate exact, and the cap turns a real stall into visible lag instead of a burst of
-/// zero-length passes.
-const MAX_CATCH_UP: Duration = Duration::from_millis(20);
+/// How long a pass waits for requests that arrived before it but are still being parsed.
+const MAX_PARSE_WAIT: Duration = Duration::from_millis(50);
+
+/// How far the loop may fall behind its schedule before it gives up catching up. Passes run
+/// on an absolute schedule: each starts when the previous one was due to end, not when the
+/// thread happened to wake, so a late wake-up (timer granularity, CPU taken by the router or
+/// other processes) delays delivery but not the simulated times, and later passes run back to
+/// back until the schedule is met. Only a stall longer than this (a stopped process) resets
+/// the schedule to now; the difference is counted in `mock:engine_lag_seconds_total`.
+const MAX_CATCH_UP: Duration = Duration::from_secs(1);
 
 pub async fn run(shared: Arc<Shared>) {
     let speedup = shared.cfg.speedup;
-    let mut deadline = Instant::now();
-    let mut idle = true;
+    // End of the last pass on the schedule (the engine's simulated clock).
+    let mut clock = Instant::now();
     loop {
-        let pass = {
-            let mut st = shared.state.lock().unwrap();
-            let p = st.schedule();
-            if p.is_none() {
-                idle = true;
-            }
-            p
-        };
-        let Some(pass) = pass else {
+        let next = shared.state.lock().unwrap().next_start(clock);
+        let Some(mut start) = next else {
             shared.wake.notified().await;
             continue;
         };
         let now = Instant::now();
-        if idle {
-            deadline = now;
-            idle = false;
+        let mut lag = Duration::ZERO;
+        if now.saturating_duration_since(start) > MAX_CATCH_UP {
+            lag = now - start;
+            start = now;
         }
+        shared.await_arrivals_before(start).await;
+        let pass = shared.state.lock().unwrap().schedule_at(Some(start));
+        let Some(pass) = pass else {
+            // Nothing could run (the queue cannot be admitted): wait for a change.
+            shared.wake.notified().await;
+            continue;
+        };
         let dur = Duration::from_secs_f64(pass.ms() / 1000.0 / speedup);
-        deadline += dur;
-        let late = now.saturating_duration_since(deadline);
-        if late > MAX_CATCH_UP {
-            deadline = now;
-        }
-        if deadline > now {
-            tokio::time::sleep_until(deadline.into()).await;
+        let end = start + dur;
+        clock = end;
+        if end > Instant::now() {
+            tokio::time::sleep_until(end.into()).await;
         } else {
             tokio::task::yield_now().await;
         }
-        let end = Instant::now();
+        lag += Instant::now().saturating_duration_since(end);
         let mut st = shared.state.lock().unwrap();
         st.commit(end);
         st.metrics.passes += 1;
         st.metrics.simulated_seconds += dur.as_secs_f64();
-        st.metrics.lag_seconds += late.as_secs_f64();
+        st.metrics.lag_seconds += lag.as_secs_f64();
     }
 }
 
@@ -524,7 +649,7 @@ mod tests {
                     assert_eq!(i, tokens);
                     tokens += 1;
                 }
-                Event::Done(u) => {
+                Event::Done(u, _) => {
                     assert_eq!(u.completion_tokens, tokens);
                     return u;
                 }
@@ -682,6 +807,73 @@ mod tests {
         let _c = st.submit(req(3, 192, 1), Instant::now());
         let pairs: Vec<f64> = drain(&mut st).iter().map(|p| p.context_pairs).collect();
         assert_eq!(pairs, vec![0.0, 64.0 * 64.0, 64.0 * 128.0]);
+    }
+
+    #[test]
+    fn requests_queue_in_arrival_order_whatever_their_parse_time() {
+        let t0 = Instant::now();
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        // B arrived first but its (longer) parse finished after A's and C's.
+        let _a = st.submit(req(1, 8, 1), t0 + Duration::from_millis(5));
+        let _c = st.submit(req(3, 8, 1), t0 + Duration::from_millis(9));
+        let _b = st.submit(req(2, 8, 1), t0);
+        let order: Vec<u32> = st.waiting.iter().map(|s| s.tokens[0] / 100_000).collect();
+        assert_eq!(order, vec![2, 1, 3]);
+        assert_eq!(st.first_arrival(), Some(t0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pass_waits_for_requests_that_arrived_before_it_but_are_still_parsing() {
+        let shared = Shared::new(cfg(1000, 1000, 8), "t".into());
+        // Nothing pending: no wait.
+        let t = Instant::now();
+        shared.await_arrivals_before(Instant::now()).await;
+        assert!(t.elapsed() < Duration::from_millis(5));
+        // A request stamped before the pass start and submitted 15 ms later holds the pass.
+        let arrival = shared.arrive();
+        let start = Instant::now();
+        let s2 = shared.clone();
+        let submitter = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            s2.submit(req(1, 8, 1), arrival)
+        });
+        shared.await_arrivals_before(start).await;
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(14), "{waited:?}");
+        let _rx = submitter.await.unwrap();
+        assert_eq!(shared.load().waiting, 1);
+        // A request that arrives after the pass start does not hold it.
+        let late = shared.arrive();
+        let t = Instant::now();
+        shared.await_arrivals_before(start).await;
+        assert!(t.elapsed() < Duration::from_millis(5));
+        // One that never gets submitted holds a pass only so long.
+        let t = Instant::now();
+        shared.await_arrivals_before(Instant::now()).await;
+        assert!(t.elapsed() >= MAX_PARSE_WAIT);
+        drop(late);
+    }
+
+    #[test]
+    fn a_pass_admits_only_requests_that_arrived_before_it_started() {
+        let t0 = Instant::now();
+        let mut st = EngineState::new(&cfg(1000, 1000, 8));
+        assert_eq!(st.next_start(t0), None);
+        let _a = st.submit(req(1, 8, 4), t0 + Duration::from_millis(2));
+        let _b = st.submit(req(2, 8, 4), t0 + Duration::from_millis(7));
+        // Idle: the pass starts when A arrived, even if the engine learns of it later.
+        let start = st.next_start(t0).unwrap();
+        assert_eq!(start, t0 + Duration::from_millis(2));
+        let p = st.schedule_at(Some(start)).unwrap();
+        assert_eq!(p.prefill_tokens, 8, "B arrived after the pass began");
+        st.commit(start + Duration::from_millis(3));
+        // Busy: the next pass starts when this one ended.
+        let clock = start + Duration::from_millis(3);
+        assert_eq!(st.next_start(clock), Some(clock));
+        assert_eq!(st.schedule_at(Some(clock)).unwrap().prefill_tokens, 0);
+        let end = start + Duration::from_millis(10);
+        st.commit(end);
+        assert_eq!(st.schedule_at(Some(end)).unwrap().prefill_tokens, 8);
     }
 
     #[test]

@@ -33,6 +33,7 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        let cfg = &h.shared.cfg;
         eprintln!(
             "mock-worker {} listening on http://{} model={} role={} block_size={} kv_blocks={} max_batched_tokens={} \
              max_num_seqs={} max_model_len={} speedup={} decode_endpoint_header={} kv_bytes_per_token={} \

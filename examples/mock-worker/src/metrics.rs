@@ -158,7 +158,7 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     }
     let secs = [
         ("mock:engine_simulated_seconds_total", "Sum of modelled pass durations (after --speedup).", m.simulated_seconds),
-        ("mock:engine_lag_seconds_total", "Sum over passes of how late a pass started against its schedule; grows when the process, not the model, is the bottleneck.", m.lag_seconds),
+        ("mock:engine_lag_seconds_total", "Sum over passes of how late their results were delivered against the engine's schedule; grows when the process, not the model, is the bottleneck (simulated times are unaffected).", m.lag_seconds),
     ];
     for (name, help, v) in secs {
         family(&mut o, name, "counter", help);

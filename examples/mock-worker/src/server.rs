@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, Limited};
@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{self, ApiError, Kind, Parsed};
 use crate::config::{Config, Role};
-use crate::engine::{self, Event, NewRequest, Shared, Usage};
+use crate::engine::{self, Arrival, Event, NewRequest, Shared, Timing, Usage};
 use crate::kv;
 use crate::metrics;
 use crate::orca;
@@ -39,6 +39,13 @@ pub const ORCA_FORMAT_HEADER: &str = "endpoint-load-metrics-format";
 pub const ORCA_HEADER: &str = "endpoint-load-metrics";
 /// The decode worker's own ORCA report, kept when a prefill worker relays its response.
 pub const DECODE_ORCA_HEADER: &str = "x-decode-endpoint-load-metrics";
+/// The engine's own timing of a request (seconds on its schedule, see `engine::Timing`):
+/// a response header on JSON responses, an SSE comment line before `[DONE]` on streams.
+pub const TIMING_HEADER: &str = "x-mock-engine-timing";
+
+fn timing_value(t: &Timing) -> String {
+    format!("ttft={:.6};e2e={:.6}", t.ttft, t.e2e)
+}
 
 /// Largest accepted request body; far above any prompt within --max-model-len.
 const BODY_LIMIT: usize = 64 << 20;
@@ -58,8 +65,11 @@ pub struct Handle {
 }
 
 /// Binds, spawns the engine loop and the accept loop on the current runtime, and returns.
-pub async fn start(cfg: Config) -> std::io::Result<Handle> {
+pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
     cfg.validate().map_err(std::io::Error::other)?;
+    if let Some(warning) = cfg.fit_context_to_kv() {
+        eprintln!("mock-worker: warning: {warning}");
+    }
     let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
     let addr = listener.local_addr()?;
     let name = cfg.worker_name(addr.port());
@@ -132,6 +142,12 @@ fn respond(
     r
 }
 
+/// Starlette's `{"detail": ...}` body, which vLLM sends for unknown paths and methods.
+fn detail(status: StatusCode, text: &str, worker: &str) -> Response<RespBody> {
+    let body = format!("{{\"detail\":{}}}", serde_json::Value::from(text));
+    respond(status, "application/json", body, worker)
+}
+
 fn error(e: &ApiError, worker: &str) -> Response<RespBody> {
     respond(
         StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST),
@@ -194,6 +210,9 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
         (Method::POST, "/v1/completions") => inference(req, ctx.clone(), Kind::Completion).await,
         (Method::POST, "/v1/chat/completions") => inference(req, ctx.clone(), Kind::Chat).await,
         (Method::POST, "/v1/cache/probe") => probe(req, &ctx).await,
+        (Method::POST, "/tokenize") => tokenize(req, &ctx).await,
+        (Method::POST, "/v1/completions/render") => render(req, &ctx, Kind::Completion).await,
+        (Method::POST, "/v1/chat/completions/render") => render(req, &ctx, Kind::Chat).await,
         (
             _,
             "/health"
@@ -201,18 +220,13 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
             | "/metrics"
             | "/v1/completions"
             | "/v1/chat/completions"
-            | "/v1/cache/probe",
-        ) => {
-            let e = ApiError {
-                status: 405,
-                ..ApiError::bad(format!("method {method} not allowed on {path}"), None)
-            };
-            error(&e, name)
-        }
-        _ => error(
-            &ApiError::not_found(format!("no route for {method} {path}"), "not_found"),
-            name,
-        ),
+            | "/v1/cache/probe"
+            | "/tokenize"
+            | "/v1/completions/render"
+            | "/v1/chat/completions/render",
+        ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed", name),
+        // FastAPI's own answer for a path no route serves.
+        _ => detail(StatusCode::NOT_FOUND, "Not Found", name),
     };
     Ok(resp)
 }
@@ -220,10 +234,11 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
 async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     match Limited::new(body, BODY_LIMIT).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError {
-            status: 413,
-            ..ApiError::bad(format!("request body over {BODY_LIMIT} bytes"), None)
-        }),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::other(
+            413,
+            "RequestEntityTooLarge",
+            format!("request body over {BODY_LIMIT} bytes"),
+        )),
         Err(e) => Err(ApiError::bad(
             format!("could not read the request body: {e}"),
             None,
@@ -231,63 +246,155 @@ async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     }
 }
 
+/// Reads and parses a request body (`chat`: see `api::parse`).
+async fn read_parsed(body: Incoming, chat: Option<bool>) -> Result<(Bytes, Parsed), ApiError> {
+    let b = read_body(body).await?;
+    let p = api::parse(&b, chat)?;
+    Ok((b, p))
+}
+
+/// The oracle's side channel. Parsing, tokenizing and hashing run on the blocking pool, not
+/// on the thread that serves (and stamps the arrival of) inference requests, and never on
+/// the engine thread; the engine state is locked only for the hash lookups.
 async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
     let name = ctx.shared.name.as_str();
-    let parsed = match read_body(req.into_body())
-        .await
-        .and_then(|b| api::parse(&b, None))
-    {
-        Ok(p) => p,
+    let body = match read_body(req.into_body()).await {
+        Ok(b) => b,
         Err(e) => return error(&e, name),
     };
     let bs = ctx.shared.cfg.block_size;
-    let mut hashes = Vec::with_capacity(parsed.tokens.len() / bs);
-    kv::extend_hashes(
-        &mut hashes,
-        kv::chain_root(parsed.cache_salt.as_deref()),
-        &parsed.tokens,
-        bs,
-    );
-    let cached = ctx
-        .shared
-        .state
-        .lock()
-        .unwrap()
-        .probe_hashes(&hashes, parsed.tokens.len());
-    let body = json!({"prompt_tokens": parsed.tokens.len(), "cached_tokens": cached});
+    let work = tokio::task::spawn_blocking(move || {
+        api::parse(&body, None).map(|p| {
+            let mut hashes = Vec::with_capacity(p.tokens.len() / bs);
+            let root = kv::chain_root(p.cache_salt.as_deref());
+            kv::extend_hashes(&mut hashes, root, &p.tokens, bs);
+            (p.tokens.len(), hashes)
+        })
+    });
+    let (len, hashes) = match work.await {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return error(&e, name),
+        Err(e) => {
+            let e = ApiError::other(500, "InternalServerError", format!("probe failed: {e}"));
+            return error(&e, name);
+        }
+    };
+    let cached = ctx.shared.state.lock().unwrap().probe_hashes(&hashes, len);
+    let body = json!({"prompt_tokens": len, "cached_tokens": cached});
     respond(StatusCode::OK, "application/json", body.to_string(), name)
 }
 
-/// Validates what the engine can serve.
-fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
-    if let Some(m) = &p.model {
-        if m != &cfg.model && !cfg.accept_any_model {
-            return Err(ApiError::not_found(
-                format!("The model `{m}` does not exist."),
-                "model_not_found",
-            ));
+/// vLLM's `POST /tokenize`: a completions-style `{"prompt": ..}` or a chat-style
+/// `{"messages": ..}` body; answers `{"count","max_model_len","tokens","token_strs"}` with the
+/// ids the engine would cache (the same tokenizer and chat template as inference).
+async fn tokenize(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
+    let name = ctx.shared.name.as_str();
+    let parsed = match read_parsed(req.into_body(), None).await {
+        Ok((_, p)) => p,
+        Err(e) => return error(&e, name),
+    };
+    if let Err(e) = check_model(&parsed, &ctx.shared.cfg) {
+        return error(&e, name);
+    }
+    let out = json!({
+        "count": parsed.tokens.len(),
+        "max_model_len": ctx.shared.cfg.max_model_len,
+        "tokens": parsed.tokens,
+        // Ids are hashes of text pieces, with no vocabulary to print them from.
+        "token_strs": null,
+    });
+    respond(StatusCode::OK, "application/json", out.to_string(), name)
+}
+
+/// vLLM's render endpoints: the request as the engine would receive it, without running
+/// it. Completions answer a list (one entry per prompt of a batch), chat one object.
+async fn render(req: Request<Incoming>, ctx: &Ctx, kind: Kind) -> Response<RespBody> {
+    let name = ctx.shared.name.as_str();
+    let cfg = &ctx.shared.cfg;
+    let (body, mut parsed) = match read_parsed(req.into_body(), Some(kind == Kind::Chat)).await {
+        Ok(v) => v,
+        Err(e) => return error(&e, name),
+    };
+    let prompts = match kind {
+        Kind::Chat => vec![std::mem::take(&mut parsed.tokens)],
+        Kind::Completion => {
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            match api::completion_prompts(&v["prompt"], true) {
+                Ok(p) => p,
+                Err(e) => return error(&e, name),
+            }
         }
+    };
+    let model = parsed.model.clone().unwrap_or_else(|| cfg.model.clone());
+    let mut out = Vec::with_capacity(prompts.len());
+    for tokens in prompts {
+        let mut one = Parsed {
+            tokens,
+            ..parsed.clone()
+        };
+        if let Err(e) = check(&mut one, cfg) {
+            return error(&e, name);
+        }
+        let n = ctx.seq.fetch_add(1, Ordering::Relaxed);
+        let prefix = if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        };
+        out.push(json!({
+            "request_id": format!("{prefix}-{name}-{n}"),
+            "token_ids": one.tokens,
+            "features": null,
+            "sampling_params": {"max_tokens": one.max_tokens},
+            "model": model,
+            "stream": one.stream,
+            "cache_salt": one.cache_salt,
+            "priority": 0,
+        }));
     }
+    let out = match kind {
+        Kind::Chat => out.pop().unwrap_or_default(),
+        Kind::Completion => serde_json::Value::Array(out),
+    };
+    respond(StatusCode::OK, "application/json", out.to_string(), name)
+}
+
+fn check_model(p: &Parsed, cfg: &Config) -> Result<(), ApiError> {
+    match &p.model {
+        Some(m) if m != &cfg.model && !cfg.accept_any_model => Err(ApiError::not_found(
+            format!("The model `{m}` does not exist."),
+            Some("model"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Validates what the engine can serve, and fills in vLLM's default `max_tokens`.
+fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
+    check_model(p, cfg)?;
     let len = p.tokens.len();
-    if !p.max_tokens_given && len < cfg.max_model_len {
-        // Like vLLM, an absent max_tokens shrinks to what fits.
-        p.max_tokens = p.max_tokens.min(cfg.max_model_len - len);
-    }
-    if len + p.max_tokens > cfg.max_model_len {
+    let limit = cfg.max_model_len;
+    // What the client asked for: an absent max_tokens asks for no particular length.
+    let asked = if p.max_tokens_given { p.max_tokens } else { 0 };
+    // A prompt that leaves no room for one output token is refused even without max_tokens.
+    if len + asked > limit || len >= limit {
         return Err(ApiError::bad(
             format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} in the completion). Please reduce the length of the prompt or completion.",
-                cfg.max_model_len,
-                len + p.max_tokens,
-                len,
-                p.max_tokens
+                "You passed {len} input tokens and requested {asked} output tokens. However, the model's context length is only {limit} tokens, resulting in a maximum input length of {} tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={len})",
+                limit.saturating_sub(asked)
             ),
-            Some(if p.kind == Kind::Chat { "messages" } else { "prompt" }),
-        )
-        .with_code("context_length_exceeded"));
+            Some("input_tokens"),
+        ));
+    }
+    if !p.max_tokens_given {
+        // vLLM: chat generates up to the rest of the context; completions default to 16.
+        p.max_tokens = match p.kind {
+            Kind::Chat => limit - len,
+            Kind::Completion => api::DEFAULT_MAX_TOKENS.min(limit - len),
+        };
     }
     // A sequence larger than the whole cache could never run; refuse it rather than
-    // preempting it forever.
+    // preempting it forever (vLLM refuses to start with such a max_model_len instead).
     let cap = cfg.kv_blocks * cfg.block_size;
     if len + p.max_tokens > cap {
         return Err(ApiError::bad(
@@ -296,8 +403,7 @@ fn check(p: &mut Parsed, cfg: &Config) -> Result<(), ApiError> {
                 len + p.max_tokens
             ),
             Some("max_tokens"),
-        )
-        .with_code("context_length_exceeded"));
+        ));
     }
     Ok(())
 }
@@ -307,7 +413,8 @@ fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
 }
 
 async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Response<RespBody> {
-    let arrival = Instant::now();
+    // Stamped on receipt of the headers, before the body is read and parsed.
+    let arrival = ctx.shared.arrive();
     let shared = &ctx.shared;
     let name = shared.name.as_str();
     let cfg = &shared.cfg;
@@ -325,12 +432,8 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         }
     };
     let path = req.uri().path().to_string();
-    let body = match read_body(req.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return error(&e, name),
-    };
-    let mut parsed = match api::parse(&body, Some(kind == Kind::Chat)) {
-        Ok(p) => p,
+    let (body, mut parsed) = match read_parsed(req.into_body(), Some(kind == Kind::Chat)).await {
+        Ok(v) => v,
         Err(e) => return error(&e, name),
     };
     if let Err(e) = check(&mut parsed, cfg) {
@@ -357,9 +460,9 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     let prompt_len = parsed.tokens.len();
     let rx = shared.submit(
         NewRequest {
-            tokens: parsed.tokens,
+            tokens: std::mem::take(&mut parsed.tokens),
             max_tokens: parsed.max_tokens,
-            salt: parsed.cache_salt,
+            salt: parsed.cache_salt.take(),
             transferred,
         },
         arrival,
@@ -373,15 +476,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if parsed.stream {
         // Streaming headers go out now, so a (legacy) load report is taken now.
         let orca = ctx.orca(orca_fmt.as_ref(), true);
-        let sse = SseBody::new(
-            rx,
-            &id,
-            &model,
-            kind,
-            parsed.max_tokens,
-            parsed.include_usage,
-            cfg.enable_prompt_tokens_details,
-        );
+        let sse = SseBody::new(rx, &id, &model, &parsed, cfg);
         let mut r = Response::new(sse.boxed_unsync());
         let h = r.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -394,14 +489,14 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         }
         return r;
     }
-    let usage = match wait_done(rx).await {
+    let (usage, timing) = match wait_done(rx).await {
         Some(u) => u,
         None => {
-            let e = ApiError {
-                status: 500,
-                kind: "internal_error",
-                ..ApiError::bad("request was dropped by the engine", None)
-            };
+            let e = ApiError::other(
+                500,
+                "InternalServerError",
+                "request was dropped by the engine",
+            );
             return error(&e, name);
         }
     };
@@ -429,6 +524,11 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if let Some(v) = ctx.orca(orca_fmt.as_ref(), false) {
         r.headers_mut().insert(ORCA_HEADER, v);
     }
+    if cfg.engine_timing {
+        if let Ok(v) = HeaderValue::from_str(&timing_value(&timing)) {
+            r.headers_mut().insert(TIMING_HEADER, v);
+        }
+    }
     r
 }
 
@@ -450,10 +550,10 @@ fn usage_json(u: &Usage, details: bool, stream: bool) -> serde_json::Value {
     v
 }
 
-async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<Usage> {
+async fn wait_done(mut rx: mpsc::UnboundedReceiver<Event>) -> Option<(Usage, Timing)> {
     while let Some(e) = rx.recv().await {
-        if let Event::Done(u) = e {
-            return Some(u);
+        if let Event::Done(u, t) = e {
+            return Some((u, t));
         }
     }
     None
@@ -468,7 +568,7 @@ async fn prefill_handoff(
     path: String,
     decode: String,
     orca_fmt: Option<HeaderValue>,
-    arrival: Instant,
+    arrival: Arrival,
 ) -> Response<RespBody> {
     let shared = &ctx.shared;
     let name = shared.name.as_str();
@@ -482,12 +582,12 @@ async fn prefill_handoff(
         },
         arrival,
     );
-    let Some(usage) = wait_done(rx).await else {
-        let e = ApiError {
-            status: 500,
-            kind: "internal_error",
-            ..ApiError::bad("prefill was dropped by the engine", None)
-        };
+    let Some((usage, _)) = wait_done(rx).await else {
+        let e = ApiError::other(
+            500,
+            "InternalServerError",
+            "prefill was dropped by the engine",
+        );
         return error(&e, name);
     };
     let own_orca = ctx.orca(orca_fmt.as_ref(), parsed.stream);
@@ -517,11 +617,11 @@ async fn prefill_handoff(
     let resp = match ctx.client.request(out).await {
         Ok(r) => r,
         Err(e) => {
-            let e = ApiError {
-                status: 502,
-                kind: "upstream_error",
-                ..ApiError::bad(format!("decode worker {decode} failed: {e}"), None)
-            };
+            let e = ApiError::other(
+                502,
+                "BadGateway",
+                format!("decode worker {decode} failed: {e}"),
+            );
             return error(&e, name);
         }
     };
@@ -553,6 +653,7 @@ struct SseBody {
     max_tokens: usize,
     include_usage: bool,
     details: bool,
+    timing: bool,
     finished: bool,
 }
 
@@ -561,11 +662,10 @@ impl SseBody {
         rx: mpsc::UnboundedReceiver<Event>,
         id: &str,
         model: &str,
-        kind: Kind,
-        max_tokens: usize,
-        include_usage: bool,
-        details: bool,
+        p: &Parsed,
+        cfg: &Config,
     ) -> Self {
+        let kind = p.kind;
         let object = if kind == Kind::Chat {
             "chat.completion.chunk"
         } else {
@@ -581,9 +681,10 @@ impl SseBody {
             rx,
             head,
             kind,
-            max_tokens,
-            include_usage,
-            details,
+            max_tokens: p.max_tokens,
+            include_usage: p.include_usage,
+            details: cfg.enable_prompt_tokens_details,
+            timing: cfg.engine_timing,
             finished: false,
         }
     }
@@ -591,9 +692,9 @@ impl SseBody {
     fn render(&mut self, e: Event) -> String {
         match e {
             Event::Token(i) => self.token_chunk(i),
-            Event::Done(u) => {
+            Event::Done(u, t) => {
                 self.finished = true;
-                self.final_chunk(&u)
+                self.final_chunk(&u, &t)
             }
         }
     }
@@ -630,7 +731,7 @@ impl SseBody {
         s
     }
 
-    fn final_chunk(&self, u: &Usage) -> String {
+    fn final_chunk(&self, u: &Usage, t: &Timing) -> String {
         let mut s = String::new();
         if self.include_usage {
             s.push_str("data: ");
@@ -638,6 +739,14 @@ impl SseBody {
             s.push_str("],\"usage\":");
             s.push_str(&usage_json(u, self.details, true).to_string());
             s.push_str("}\n\n");
+        }
+        if self.timing {
+            // An SSE comment: clients skip it (vLLM's keep-alives are comments too).
+            s.push_str(": ");
+            s.push_str(TIMING_HEADER);
+            s.push(' ');
+            s.push_str(&timing_value(t));
+            s.push_str("\n\n");
         }
         s.push_str("data: [DONE]\n\n");
         s

@@ -49,6 +49,9 @@ impl Resp {
         let mut done = false;
         for event in self.body.split("\n\n").filter(|e| !e.is_empty()) {
             assert!(!done, "data after [DONE]");
+            if event.starts_with(':') {
+                continue; // an SSE comment (the engine-timing report)
+            }
             let data = event
                 .strip_prefix("data: ")
                 .unwrap_or_else(|| panic!("bad SSE event {event:?}"));
@@ -63,6 +66,22 @@ impl Resp {
         }
         (out, done)
     }
+}
+
+/// The `x-mock-engine-timing` report (ttft, e2e): the header, or the stream's comment line.
+pub fn engine_timing(r: &Resp) -> Option<(f64, f64)> {
+    let v = match r.header("x-mock-engine-timing") {
+        Some(h) => h.to_string(),
+        None => r
+            .body
+            .split("\n\n")
+            .find_map(|e| e.strip_prefix(": x-mock-engine-timing "))?
+            .to_string(),
+    };
+    let mut it = v
+        .split(';')
+        .map(|kv| kv.split_once('=').unwrap().1.parse().unwrap());
+    Some((it.next()?, it.next()?))
 }
 
 pub async fn request(
