@@ -37,18 +37,26 @@ SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
 VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
 LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
-WASM = os.path.join(BUILD, "kvroute.wasm")
+# KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
+WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
 MODEL = "mock-model"
 
 # Fleet and workload. The fleet runs the Dynamo mocker timing model; --speedup compresses
 # simulated time, and every latency is reported in simulated seconds (wall x speedup).
+# Capacity comes from a mock-worker --preset named after a real deployment (llama3-8b-h100:
+# Llama-3.1-8B on one H100 80GB, 26,624 blocks of 16 tokens, vLLM's max-num-seqs 1024 and
+# max-batched-tokens 8192), so eviction and preemption happen as they would; kv_blocks,
+# block_size, max_num_seqs, max_batched_tokens override it when set. mock_flags are extra
+# mock-worker flags, e.g. "--enable-prompt-tokens-details" (real vLLM's defaults otherwise).
 COMMON = dict(
     workers=8,
     speedup=4.0,
-    kv_blocks=65536,  # 1M tokens per worker at block size 16 (Dynamo's mocker: 16384 x 64)
-    block_size=16,
-    max_num_seqs=64,
-    max_batched_tokens=8192,
+    mock_preset="llama3-8b-h100",
+    kv_blocks=None,
+    block_size=None,
+    max_num_seqs=None,
+    max_batched_tokens=None,
+    mock_flags="",
     trace="conversation_trace.jsonl",
     block_tokens=512,  # trace blocks replayed at full size (smaller values scale prompts down)
     max_output=64,
@@ -60,10 +68,11 @@ COMMON = dict(
     oracle_held_weight=0.02,
 )
 PRESETS = {
-    "quick": dict(COMMON, start=0, count=800, warmup=80, speeds=[32.0, 48.0], main_speed=48.0,
+    # At llama3-8b-h100 capacity the fleet's knee is near speed 28 (21 simulated rps).
+    "quick": dict(COMMON, start=0, count=800, warmup=80, speeds=[20.0, 28.0], main_speed=28.0,
                   overhead_requests=[200, 200, 50, 20], saturate_s=3.0),
-    "full": dict(COMMON, start=0, count=2000, warmup=200, speeds=[24.0, 32.0, 40.0, 48.0, 56.0, 64.0],
-                 main_speed=48.0, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
+    "full": dict(COMMON, start=0, count=2000, warmup=200, speeds=[12.0, 16.0, 20.0, 24.0, 28.0, 32.0],
+                 main_speed=28.0, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
 }
 POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
@@ -174,6 +183,35 @@ def wait_until(fn, timeout, what, procs=()):
 
 # ---------------------------------------------------------------- fleet and routers
 
+def mock_args(cfg, kv_blocks=None):
+    """mock-worker flags for the fleet's capacity and behaviour."""
+    argv = ["--preset", cfg["mock_preset"]]
+    caps = dict(kv_blocks=kv_blocks or cfg["kv_blocks"], block_size=cfg["block_size"],
+                max_num_seqs=cfg["max_num_seqs"], max_batched_tokens=cfg["max_batched_tokens"])
+    for k, v in caps.items():
+        if v is not None:
+            argv += ["--" + k.replace("_", "-"), str(v)]
+    flags = cfg["mock_flags"]
+    return argv + (flags.split() if isinstance(flags, str) else list(flags))
+
+
+def resolve_capacity(cfg, logdir):
+    """Fills kv_blocks and block_size from what one mock worker with these flags reports
+    (vllm:cache_config_info), so kvroute's config and the tables match the preset."""
+    ws = start_fleet(cfg, logdir, n=1)
+    try:
+        _, _, b = http("GET", ws[0]["url"] + "/metrics")
+        for line in b.decode().splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+                cfg["kv_blocks"] = int(labels["num_gpu_blocks"].strip('"'))
+                cfg["block_size"] = int(labels["block_size"].strip('"'))
+    finally:
+        Procs.stop([w["proc"] for w in ws])
+    if cfg["kv_blocks"] is None or cfg["block_size"] is None:
+        raise RuntimeError("mock-worker did not report vllm:cache_config_info")
+
+
 def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
     n = n or cfg["workers"]
     ws = []
@@ -181,11 +219,7 @@ def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
         port = free_port()
         argv = [MOCK, "--host", "127.0.0.1", "--port", str(port), "--name", f"w{i}",
                 "--model", MODEL,
-                "--speedup", str(speedup or cfg["speedup"]),
-                "--kv-blocks", str(kv_blocks or cfg["kv_blocks"]),
-                "--block-size", str(cfg["block_size"]),
-                "--max-num-seqs", str(cfg["max_num_seqs"]),
-                "--max-batched-tokens", str(cfg["max_batched_tokens"])]
+                "--speedup", str(speedup or cfg["speedup"])] + mock_args(cfg, kv_blocks)
         p = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
         ws.append(dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", proc=p))
     for w in ws:
@@ -274,7 +308,8 @@ def scrape(ws):
             continue
         for line in b.decode().splitlines():
             for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
-                         "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total"):
+                         "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total",
+                         "mock:kv_evicted_blocks_total"):
                 if line.startswith(name + "{") or line.startswith(name + " "):
                     tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return tot
@@ -312,10 +347,23 @@ def run_cell(cfg, policy, speed, rawdir):
             raise RuntimeError(f"loadgen exited {r.returncode} (see {cell}/loadgen.log)")
         with open(os.path.join(cell, "summary.json")) as f:
             s = json.load(f)
-        s["worker_metrics"] = scrape(ws)
+        s["worker_metrics"] = m = scrape(ws)
+        # Engine-side hit rate (all requests, warm-up included): what the workers' prefix
+        # caches served, whether or not they report cached_tokens to clients.
+        q = m.get("vllm:prefix_cache_queries_total")
+        s["engine_hit_rate"] = m.get("vllm:prefix_cache_hits_total", 0.0) / q if q else None
+        s["preemptions"] = m.get("vllm:num_preemptions_total")
+        s["evicted_blocks"] = m.get("mock:kv_evicted_blocks_total")
+        if s.get("cached_tokens", 0) == 0 and s["engine_hit_rate"]:
+            # Workers without --enable-prompt-tokens-details (vLLM's default) report no
+            # cached_tokens: the engine's own count stands in.
+            s["client_hit_rate"], s["hit_rate"] = s["hit_rate"], s["engine_hit_rate"]
+            s["hit_rate_source"] = "engine"
+        else:
+            s["hit_rate_source"] = "usage"
         log(f"{policy:24s} speed {speed:>5g}: {s['ok']}/{s['requests']} ok, offered {s['offered_rps_sim']:.2f} rps(sim), "
             f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, hit {s['hit_rate']:.3f}, "
-            f"max/mean {s['max_over_mean_requests']:.2f}")
+            f"max/mean {s['max_over_mean_requests']:.2f}, preempt {s['preemptions']}, evicted {s['evicted_blocks']}")
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
@@ -424,7 +472,9 @@ def analyze(cfg, res):
                           e2e_p50=main["e2e_sim_s"]["p50"], throughput=main["throughput_rps_sim"],
                           hit_rate=main["hit_rate"], max_mean=main["max_over_mean_requests"],
                           goodput=gp, goodput_interp=gpi, goodput_lower_bound=r["goodput_lower_bound"],
-                          preemptions=main.get("worker_metrics", {}).get("vllm:num_preemptions_total")))
+                          preemptions=main.get("worker_metrics", {}).get("vllm:num_preemptions_total"),
+                          evicted_blocks=main.get("evicted_blocks"), engine_hit_rate=main.get("engine_hit_rate"),
+                          hit_rate_source=main.get("hit_rate_source", "usage")))
     res["table"] = table
     byp = {t["policy"]: t for t in table if "error" not in t}
     rr = byp.get("envoy-round-robin")
@@ -454,27 +504,31 @@ def write_markdown(cfg, res, path):
     L = [f"# Benchmark results: {res['name']}", "",
          f"Command: `{res['command']}`  ", f"Date: {res['date']}, wall time {res['wall_s']:.0f} s  ",
          f"Fleet: {cfg['workers']} mock workers, Dynamo timing model, --speedup {cfg['speedup']:g}, "
-         f"--kv-blocks {cfg['kv_blocks']} x {cfg['block_size']} tokens, --max-num-seqs {cfg['max_num_seqs']}, "
-         f"--max-batched-tokens {cfg['max_batched_tokens']}  ",
+         f"`{' '.join(mock_args(cfg))}` ({cfg['kv_blocks']} blocks x {cfg['block_size']} tokens of KV each)  ",
          f"Workload: Mooncake {cfg['trace']} requests {cfg['start']}..{cfg['start'] + cfg['count']} "
          f"(first {cfg['warmup']} not measured), trace blocks of 512 tokens replayed as {cfg['block_tokens']}, "
          f"max_tokens <= {cfg['max_output']}, prompts <= {cfg['max_input_tokens']} tokens  ",
          "All times are simulated seconds (wall x speedup); rates are simulated requests/s.", "",
          f"## Policies at speed {cfg['main_speed']:g} (main point)", "",
          "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | done rps | hit rate | max/mean req | "
-         f"goodput @p90<={cfg['slo_s']:g}s | preempt |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         f"goodput @p90<={cfg['slo_s']:g}s | preempt | evicted blocks |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in res["table"]:
         if "error" in t:
-            L.append(f"| {t['policy']} | could not run: {t['error'][:120]} |||||||||||")
+            L.append(f"| {t['policy']} | could not run: {t['error'][:120]} ||||||||||||")
             continue
         gp = ("none" if t["goodput"] is None else
               f">= {t['goodput']:.2f}" if t["goodput_lower_bound"] else f"{t['goodput']:.2f} (~{t['goodput_interp']:.2f})")
         L.append(f"| {t['policy']} | {t['requests'] - t['errors']}/{t['requests']} | {fmt(t['ttft_p50'])} | "
                  f"{fmt(t['ttft_p90'])} | {fmt(t['ttft_p99'])} | {fmt(t['itl_p50'], 4)} | {fmt(t['e2e_p50'], 2)} | "
-                 f"{t['throughput']:.2f} | {t['hit_rate']:.3f} | {t['max_mean']:.2f} | {gp} | "
-                 f"{'-' if t['preemptions'] is None else int(t['preemptions'])} |")
-    L += ["", "Goodput: highest offered rate of the sweep whose p90 TTFT stays under the SLO (in brackets, "
+                 f"{t['throughput']:.2f} | {t['hit_rate']:.3f}{'*' if t['hit_rate_source'] == 'engine' else ''} | "
+                 f"{t['max_mean']:.2f} | {gp} | {'-' if t['preemptions'] is None else int(t['preemptions'])} | "
+                 f"{'-' if t['evicted_blocks'] is None else int(t['evicted_blocks'])} |")
+    L += ["", "Hit rate: cached / prompt tokens from usage.prompt_tokens_details (requests after the warm-up); "
+          "`*`: the workers do not report cached_tokens (vLLM's default), so it is the engines' own "
+          "vllm:prefix_cache_hits / queries over the whole run. preempt: vllm:num_preemptions summed over "
+          "the fleet; evicted blocks: cached KV blocks the fleet evicted to make room (mock:kv_evicted_blocks).",
+          "", "Goodput: highest offered rate of the sweep whose p90 TTFT stays under the SLO (in brackets, "
           "linear interpolation to the SLO crossing; `>=` when even the fastest rate of the sweep met it; "
           "`none` when even the slowest missed it).", "", "## Sweep (TTFT p90, simulated s, by offered rate)", "",
           "| policy | " + " | ".join(f"speed {s:g}" for s in cfg["speeds"]) + " |",
@@ -644,6 +698,8 @@ def main():
     ap.add_argument("--tuned", help="JSON merged into the kvroute-tuned plugin config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset value (numbers parsed as JSON), e.g. --set kv_blocks=4096")
+    ap.add_argument("--mock-flags", help="extra mock-worker flags, one string (use --mock-flags=\"--x --y\"), "
+                    "e.g. --enable-prompt-tokens-details or --orca-on-stream")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--only-overhead", action="store_true")
     a = ap.parse_args()
@@ -667,6 +723,8 @@ def main():
             cfg[k] = json.loads(v)
         except json.JSONDecodeError:
             cfg[k] = v
+    if a.mock_flags is not None:
+        cfg["mock_flags"] = a.mock_flags
     name = a.name or a.preset
     outdir = os.path.join(ROOT, "bench", "results", name)
     rawdir = os.path.join(outdir, "raw")
@@ -676,6 +734,7 @@ def main():
             sys.exit(f"missing {exe}: run `make bench-deps` first")
 
     t_start = time.time()
+    resolve_capacity(cfg, rawdir)
     res = {"name": name, "preset": a.preset, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg, "policies": {}, "not_run": {}}
     res["table"] = []

@@ -1,6 +1,7 @@
 # Benchmark suite (bench/README.md): `make bench` runs every routing policy against the same
 # simulated fleet with a load sweep and the proxy-overhead test (<= 30 min on 2 cores);
-# `make bench-quick` is the short version (<= 5 min). Results: bench/results/<name>/.
+# `make bench-quick` is the short version (<= 5 min); `make bench-signals` compares router
+# signals (real vLLM defaults against the old mock flags). Results: bench/results/<name>/.
 # Included by the main Makefile (`-include mk/*.mk`); uses its `venv` (Envoy) and `wasm`.
 # Extra flags for bench/run.py: make bench BENCH_ARGS="--policies oracle,envoy-round-robin".
 
@@ -48,3 +49,8 @@ overhead: venv $(BENCH_VENV)/.installed
 	cargo build --release -p mock-worker -p loadgen
 	@$(MAKE) --no-print-directory wasm
 	$(BENCH_PY) bench/run.py --preset quick --only-overhead --name overhead $(BENCH_ARGS)
+
+# kvroute with real vLLM's signals against the mock's old ones (bench/README.md).
+.PHONY: bench-signals
+bench-signals: bench-deps
+	$(BENCH_PY) bench/signals.py $(BENCH_ARGS)

@@ -1,5 +1,6 @@
 //! Workloads: Mooncake trace replay and synthetic conversations.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +47,9 @@ struct TraceReq {
 
 pub struct Mooncake {
     reqs: Vec<TraceReq>,
+    /// Text of every full block, generated before the replay starts so that building a
+    /// prompt at its arrival time is a copy, not text generation.
+    blocks: HashMap<u64, String>,
     block_tokens: usize,
     speed: f64,
     seed: u64,
@@ -101,14 +105,36 @@ impl Mooncake {
         if reqs.is_empty() {
             return Err(format!("{path}: no requests in the slice"));
         }
-        Ok(Mooncake {
+        let mut m = Mooncake {
             reqs,
+            blocks: HashMap::new(),
             block_tokens: a.block_tokens,
             speed: a.speed,
             seed: a.seed,
             api: a.api.unwrap_or(Api::Completions),
             model: a.model.clone(),
-        })
+        };
+        m.generate_blocks();
+        Ok(m)
+    }
+
+    fn block_seed(&self, h: u64) -> u64 {
+        seed_of(&[self.seed, 0x0074_7261_6365, h])
+    }
+
+    fn generate_blocks(&mut self) {
+        let mut blocks = HashMap::new();
+        for r in &self.reqs {
+            let full = r.tokens / self.block_tokens;
+            for &h in r.hash_ids.iter().take(full) {
+                blocks.entry(h).or_insert_with(|| {
+                    let mut s = String::with_capacity(self.block_tokens * 4);
+                    push_words(&mut s, self.block_seed(h), self.block_tokens);
+                    s
+                });
+            }
+        }
+        self.blocks = blocks;
     }
 
     pub fn len(&self) -> usize {
@@ -125,16 +151,19 @@ impl Mooncake {
         self.reqs.iter().map(|r| r.tokens).sum::<usize>() / self.reqs.len()
     }
 
-    /// The prompt of one request: each hash id expands to the same `block_tokens` words.
+    /// The prompt of one request: each hash id expands to the same `block_tokens` tokens.
     fn prompt(&self, r: &TraceReq) -> String {
-        let mut s = String::with_capacity(r.tokens * 5);
+        let mut s = String::with_capacity(r.tokens * 4);
         let mut left = r.tokens;
         for &h in &r.hash_ids {
             if left == 0 {
                 break;
             }
             let n = left.min(self.block_tokens);
-            push_words(&mut s, seed_of(&[self.seed, 0x0074_7261_6365, h]), n);
+            match self.blocks.get(&h) {
+                Some(text) if n == self.block_tokens => s.push_str(text),
+                _ => push_words(&mut s, self.block_seed(h), n),
+            }
             left -= n;
         }
         s
@@ -311,6 +340,7 @@ impl Synthetic {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mock_worker::tokenizer;
 
     fn req(tokens: usize, hash_ids: &[u64]) -> TraceReq {
         TraceReq {
@@ -324,23 +354,27 @@ mod tests {
 
     #[test]
     fn prompts_share_exactly_the_trace_prefix() {
-        let m = Mooncake {
-            reqs: Vec::new(),
+        let mut m = Mooncake {
+            reqs: vec![req(24, &[0, 1, 2]), req(20, &[0, 1, 5])],
+            blocks: HashMap::new(),
             block_tokens: 8,
             speed: 1.0,
             seed: 3,
             api: Api::Completions,
             model: String::new(),
         };
-        let a = m.prompt(&req(24, &[0, 1, 2]));
-        let b = m.prompt(&req(20, &[0, 1, 5]));
-        let words = |s: &str| s.split(' ').skip(1).map(String::from).collect::<Vec<_>>();
-        let (wa, wb) = (words(&a), words(&b));
-        assert_eq!((wa.len(), wb.len()), (24, 20));
-        assert_eq!(wa[..16], wb[..16]);
-        assert_ne!(wa[16..20], wb[16..20]);
-        // A partial last block is a prefix of the full block.
+        let uncached = [m.prompt(&m.reqs[0]), m.prompt(&m.reqs[1])];
+        m.generate_blocks();
+        // Full blocks come from the pre-generated texts, the partial one is made on the fly.
+        assert_eq!(m.blocks.len(), 3);
+        let (a, b) = (m.prompt(&m.reqs[0]), m.prompt(&m.reqs[1]));
+        assert_eq!([a.clone(), b.clone()], uncached);
+        let (ta, tb) = (tokenizer::encode(&a), tokenizer::encode(&b));
+        assert_eq!((ta.len(), tb.len()), (24, 20));
+        assert_eq!(ta[..16], tb[..16]);
+        assert_ne!(ta[16..20], tb[16..20]);
+        // A partial last block shares the full block's tokens up to its cut.
         let c = m.prompt(&req(19, &[0, 1, 2]));
-        assert!(a.starts_with(&c));
+        assert_eq!(tokenizer::encode(&c)[..16], ta[..16]);
     }
 }

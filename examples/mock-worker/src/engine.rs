@@ -368,6 +368,7 @@ impl EngineState {
             self.running.push(s);
         }
         self.metrics.preemptions += preempted as u64;
+        self.metrics.evicted_blocks = self.cache.evictions;
 
         let mut pass = Pass {
             prefill_tokens: 0,

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub preemptions: u64,
+    /// Cached blocks evicted to make room (not a vLLM metric; the benchmark reports it).
+    pub evicted_blocks: u64,
     pub ttft: Histogram,
     pub passes: u64,
     pub simulated_seconds: f64,
@@ -132,6 +134,12 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
             "",
         ),
         (
+            "mock:kv_evicted_blocks_total",
+            "Cached KV blocks evicted to make room for new ones.",
+            m.evicted_blocks,
+            "",
+        ),
+        (
             "mock:requests_aborted_total",
             "Requests dropped because the client went away.",
             m.aborted,
@@ -202,6 +210,7 @@ mod tests {
         m.ttft.observe(0.03);
         m.ttft.observe(100.0);
         m.prefix_cache_hits = 7;
+        m.evicted_blocks = 5;
         let s = render(
             &m,
             Load {
@@ -224,6 +233,7 @@ mod tests {
             "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 7",
             "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",model_name=\"m\",num_gpu_blocks=\"16384\"} 1",
             "vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 0",
+            "mock:kv_evicted_blocks_total{engine=\"0\",model_name=\"m\"} 5",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.04\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"80\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2",
