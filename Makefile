@@ -28,6 +28,11 @@ help:
 	@echo "make run/stop   the demo stack in the background (Envoy :10000, admin :9901)"
 	@echo "make bench      the benchmark suite (bench-quick: a short version)"
 	@echo "make bench-core native benchmark of the routing core"
+	@echo "make overhead   what the filter adds per request (loadgen latency mode, about a minute)"
+	@echo "make lint       rustfmt, clippy (no-panic lints on the filter), ruff"
+	@echo "make generate   rewrite the generated Envoy configs (scripts/envoyconf.py)"
+	@echo "make fuzz       coverage-guided fuzzing, FUZZ_SECONDS per target (fuzz/README.md)"
+	@echo "make soak       thousands of mixed and cancelled streams, SOAK_SECONDS (default 600)"
 
 # ---- toolchain
 $(TOOLCHAIN_MK): scripts/bootstrap.sh Cargo.lock
@@ -82,7 +87,7 @@ demo: wasm mock-worker venv
 
 # ---- tests
 .PHONY: test
-test: test-native test-wasm test-e2e $(TEST_EXTRA)
+test: lint test-native test-wasm test-e2e $(TEST_EXTRA)
 	@echo "make test: all suites passed"
 
 .PHONY: test-native
