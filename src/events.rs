@@ -23,12 +23,18 @@ const TAG_FAILED: u8 = 5;
 const TAG_RECOVERED: u8 = 6;
 const TAG_FORGET: u8 = 7;
 const TAG_CALIBRATE: u8 = 8;
+const TAG_CONFIRMED: u8 = 9;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A routing decision: charge load and record the prompt as cached on the workers.
     Routed(NewRequest),
     PrefillDone {
+        id: RequestId,
+    },
+    /// The request's worker answered 2xx: its prompt's blocks are in the worker's cache.
+    /// Until then they are speculative, and a request that ends without it leaves nothing.
+    Confirmed {
         id: RequestId,
     },
     Free {
@@ -93,6 +99,7 @@ impl Event {
         match self {
             Event::Routed(_) => TAG_ROUTED,
             Event::PrefillDone { .. } => TAG_PREFILL_DONE,
+            Event::Confirmed { .. } => TAG_CONFIRMED,
             Event::Free { .. } => TAG_FREE,
             Event::Report { .. } => TAG_REPORT,
             Event::Failed { .. } => TAG_FAILED,
@@ -116,7 +123,7 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u32(o, r.prefill_tokens);
             put_hashes(o, &r.blocks);
         }
-        Event::PrefillDone { id } | Event::Free { id } => put_u64(o, *id),
+        Event::PrefillDone { id } | Event::Free { id } | Event::Confirmed { id } => put_u64(o, *id),
         Event::Report { worker, report } => {
             put_u16(o, *worker);
             put_u32(o, report.kv_usage.to_bits());
@@ -176,6 +183,9 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             })
         }
         TAG_PREFILL_DONE => Event::PrefillDone {
+            id: r.u64().ok_or(t)?,
+        },
+        TAG_CONFIRMED => Event::Confirmed {
             id: r.u64().ok_or(t)?,
         },
         TAG_FREE => Event::Free {
@@ -304,6 +314,7 @@ mod tests {
                 blocks: vec![],
             }),
             Event::PrefillDone { id: 9 },
+            Event::Confirmed { id: 9 },
             Event::Free { id: 9 },
             Event::Report {
                 worker: 1,

@@ -23,6 +23,8 @@ pub struct Http {
     routed: bool,
     decision: Option<Decision>,
     saw_response: bool,
+    /// The response status was 2xx (its body confirms the request's index entries).
+    success: bool,
     first_byte: bool,
     finished: bool,
     tail: UsageTail,
@@ -37,6 +39,7 @@ impl Http {
             routed: false,
             decision: None,
             saw_response: false,
+            success: false,
             first_byte: false,
             finished: false,
             tail: UsageTail::default(),
@@ -237,6 +240,7 @@ impl HttpContext for Http {
         let host = &self.host;
         let header = |name| host.header(MapType::HttpResponseHeaders, name);
         let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        self.success = (200..300).contains(&status);
         let orca = header(ORCA_RESPONSE);
         // Set by Envoy with `include_attempt_count_in_response`.
         let attempts: u32 = header("x-envoy-attempt-count")
@@ -287,9 +291,10 @@ impl HttpContext for Http {
             if !self.first_byte {
                 self.first_byte = true;
                 let now = self.host.now_ms();
+                let success = self.success;
                 self.with(|s| {
-                    let e = s.router.on_first_byte(&d, now);
-                    s.broadcast(&[e]);
+                    let evs = s.router.on_first_byte(&d, success, now);
+                    s.broadcast(&evs);
                 });
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.

@@ -48,7 +48,10 @@
 mod blocks;
 mod holders;
 mod lru;
+mod speculative;
 mod table;
+
+pub use speculative::{Pending, Speculative};
 
 use crate::ids::{mix, WorkerId, MAX_WORKERS};
 use blocks::{Block, Pages, BLOCK_PAGE, FREE, FREE_BLOCK, NIL};
@@ -195,6 +198,9 @@ impl PrefixIndex {
         if cap == 0 || hashes.is_empty() {
             return;
         }
+        // The worker cannot hold more than its capacity, and a prompt longer than that must
+        // not flush its whole LRU: only the leading `cap` blocks (the reusable part) count.
+        let hashes = hashes.get(..cap as usize).unwrap_or(hashes);
         let stamp = self.stamp_for(now_ms);
         let mut cursor = Cursor::new(1);
         // A hash that is not next to the previous block is likely new: load what it and the

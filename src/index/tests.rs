@@ -383,6 +383,7 @@ mod props {
         }
 
         fn insert(&mut self, w: usize, hashes: &[u64], now: u64) {
+            let hashes = &hashes[..hashes.len().min(self.caps[w] as usize)];
             for &h in hashes.iter().rev() {
                 let l = &mut self.lru[w];
                 if let Some(p) = l.iter().position(|&(x, _)| x == h) {

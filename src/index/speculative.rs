@@ -1,0 +1,199 @@
+//! Prompts routed but not yet confirmed: what a request is expected to leave in a worker's
+//! KV cache, kept apart from the `PrefixIndex` until a successful first response byte proves
+//! the engine computed it.
+//!
+//! Lookups still see these entries, so a burst of identical requests sees each other's picks
+//! (no herding onto the same cold worker). But nothing here evicts anything: a request the
+//! engine rejects (400 for an oversize prompt, a client abort before the answer) is simply
+//! dropped and leaves the warm prefixes of its worker untouched.
+
+use crate::ids::{mix, RequestId, WorkerId};
+use core::hash::{BuildHasherDefault, Hasher};
+use hashbrown::HashMap;
+
+/// One request's expected blocks and where they go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pending {
+    pub worker: WorkerId,
+    pub prefill: Option<WorkerId>,
+    pub hashes: Vec<u64>,
+    pub at_ms: u64,
+}
+
+/// Keys are already spread by `mix`; the map needs nothing more.
+#[derive(Debug, Clone, Copy, Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        self.0 = mix(self.0 ^ x);
+    }
+    #[inline]
+    fn write_u16(&mut self, x: u16) {
+        self.0 = mix(self.0 ^ u64::from(x).wrapping_mul(0xff51_afd7_ed55_8ccd));
+    }
+}
+
+type Build = BuildHasherDefault<KeyHasher>;
+
+/// Unconfirmed requests and, per (block, worker), how many of them expect it.
+#[derive(Debug, Default)]
+pub struct Speculative {
+    reqs: HashMap<RequestId, Pending, Build>,
+    held: HashMap<(u64, WorkerId), u32, Build>,
+}
+
+impl Speculative {
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Records request `id`; a second `add` for the same id replaces nothing (replicas may see
+    /// a decision twice only through a bug, and must not double-count it).
+    pub fn add(&mut self, id: RequestId, p: Pending) {
+        if p.hashes.is_empty() || self.reqs.contains_key(&id) {
+            return;
+        }
+        for w in workers(&p) {
+            for &h in &p.hashes {
+                *self.held.entry((h, w)).or_insert(0) += 1;
+            }
+        }
+        self.reqs.insert(id, p);
+    }
+
+    /// Removes request `id` and returns it (to insert into the index when confirmed).
+    pub fn take(&mut self, id: RequestId) -> Option<Pending> {
+        let p = self.reqs.remove(&id)?;
+        for w in workers(&p) {
+            for &h in &p.hashes {
+                if let Some(n) = self.held.get_mut(&(h, w)) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.held.remove(&(h, w));
+                    }
+                }
+            }
+        }
+        if self.reqs.is_empty() {
+            // Every count is back to 0; drop a large allocation left by a huge prompt.
+            self.held.clear();
+            if self.held.capacity() > 4096 {
+                self.held.shrink_to_fit();
+            }
+        }
+        Some(p)
+    }
+
+    /// Extends each worker's leading run `out[w]` (from the index) through blocks that
+    /// unconfirmed requests expect on that worker.
+    pub fn extend(&self, hashes: &[u64], out: &mut [u32]) {
+        if self.held.is_empty() {
+            return;
+        }
+        for (w, run) in out.iter_mut().enumerate() {
+            let Ok(wid) = WorkerId::try_from(w) else {
+                break;
+            };
+            let mut k = *run as usize;
+            while let Some(&h) = hashes.get(k) {
+                if !self.held.contains_key(&(h, wid)) {
+                    break;
+                }
+                k += 1;
+            }
+            *run = u32::try_from(k).unwrap_or(u32::MAX);
+        }
+    }
+
+    /// Drops requests picked at or before `before_ms` (their confirmation or end was lost);
+    /// returns how many.
+    pub fn expire(&mut self, before_ms: u64) -> usize {
+        let old: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|(_, p)| p.at_ms <= before_ms)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &old {
+            self.take(*id);
+        }
+        old.len()
+    }
+}
+
+fn workers(p: &Pending) -> impl Iterator<Item = WorkerId> {
+    let second = p.prefill.filter(|&x| x != p.worker);
+    core::iter::once(p.worker).chain(second)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(worker: WorkerId, hashes: &[u64], at_ms: u64) -> Pending {
+        Pending {
+            worker,
+            prefill: None,
+            hashes: hashes.to_vec(),
+            at_ms,
+        }
+    }
+
+    #[test]
+    fn extends_runs_and_forgets_on_take() {
+        let mut s = Speculative::default();
+        s.add(1, pending(1, &[10, 11, 12], 5));
+        s.add(2, pending(1, &[10, 11], 6));
+        let mut out = [0u32, 0, 0];
+        s.extend(&[10, 11, 12, 13], &mut out);
+        assert_eq!(out, [0, 3, 0]);
+        // The index already had 1 block for worker 0 and 2 for worker 2: runs stay theirs
+        // unless the speculative blocks continue them.
+        let mut out = [1u32, 2, 2];
+        s.extend(&[10, 11, 12, 13], &mut out);
+        assert_eq!(out, [1, 3, 2]);
+        assert!(s.take(1).is_some());
+        let mut out = [0u32; 3];
+        s.extend(&[10, 11, 12], &mut out);
+        assert_eq!(out, [0, 2, 0]);
+        assert_eq!(s.take(1), None);
+        assert_eq!(s.expire(6), 1);
+        assert!(s.is_empty());
+        let mut out = [0u32; 3];
+        s.extend(&[10], &mut out);
+        assert_eq!(out, [0, 0, 0]);
+    }
+
+    #[test]
+    fn prefill_worker_counts_too_and_duplicates_are_ignored() {
+        let mut s = Speculative::default();
+        let mut p = pending(0, &[7, 8], 1);
+        p.prefill = Some(2);
+        s.add(9, p.clone());
+        s.add(9, p);
+        let mut out = [0u32; 3];
+        s.extend(&[7, 8], &mut out);
+        assert_eq!(out, [2, 0, 2]);
+        s.take(9);
+        let mut out = [0u32; 3];
+        s.extend(&[7, 8], &mut out);
+        assert_eq!(out, [0, 0, 0]);
+        assert_eq!(s.len(), 0);
+    }
+}
