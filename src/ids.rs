@@ -1,6 +1,7 @@
 //! Ids and limits shared by the index, the load table, the events and the configuration,
 //! defined once so the modules cannot drift apart.
 
+use core::hash::Hasher;
 use core::ops::RangeInclusive;
 
 /// Dense index into the router's worker list.
@@ -27,4 +28,29 @@ pub const CHARS_PER_TOKEN_RANGE: RangeInclusive<f64> = 0.5..=64.0;
 pub fn mix(h: u64) -> u64 {
     let x = (h ^ (h >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     x ^ (x >> 29)
+}
+
+/// Block hashes are already hash output (xxh3), so the map only needs them spread over
+/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): `mix` instead of a
+/// general-purpose hash.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        mix(self.0)
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, x: u64) {
+        self.0 ^= x;
+    }
 }

@@ -6,8 +6,8 @@
 //! VM would otherwise leak load forever.
 
 use crate::config::Config;
-use crate::ids::{mix, RequestId, WorkerId};
-use core::hash::{BuildHasherDefault, Hasher};
+use crate::ids::{BlockHasher, RequestId, WorkerId};
+use core::hash::BuildHasherDefault;
 use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
@@ -66,31 +66,6 @@ impl LoadParams {
 impl Default for LoadParams {
     fn default() -> Self {
         Self::from_config(&Config::default())
-    }
-}
-
-/// Block hashes are already hash output (xxh3), so the map only needs them spread over
-/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): `mix` instead of a
-/// general-purpose hash.
-#[derive(Debug, Clone, Copy, Default)]
-struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        mix(self.0)
-    }
-
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, x: u64) {
-        self.0 ^= x;
     }
 }
 

@@ -116,8 +116,10 @@ const DEFAULT_OUTPUT_TOKENS: u32 = 256;
 const MAX_OUTPUT_ESTIMATE: u32 = 4096;
 
 impl Router {
-    /// `origin` distinguishes this replica's request ids from other threads' (its low 16
-    /// bits go into the top of every id).
+    /// `origin` distinguishes this replica's request ids from other threads' (its low 32
+    /// bits go into the top of every id: the replication member id, unique for 2^32 VM
+    /// creations; the low 32 bits count this VM's requests, and wrap only after 2^32 of them,
+    /// long after the earlier ones with the same id have ended or expired).
     pub fn new(cfg: Config, origin: u64, seed: u64) -> Self {
         let sel = SelectParams::from_config(&cfg);
         let params = LoadParams::from_config(&cfg);
@@ -152,7 +154,7 @@ impl Router {
             rng: Rng::new(seed),
             chars_per_token,
             calib,
-            origin: (origin & 0xFFFF) << 48,
+            origin: (origin & 0xFFFF_FFFF) << 32,
             seq: 0,
             speculative: Speculative::default(),
             pending: Vec::new(),
@@ -180,7 +182,7 @@ impl Router {
     }
 
     fn next_id(&mut self) -> RequestId {
-        self.seq = (self.seq + 1) & 0xFFFF_FFFF_FFFF;
+        self.seq = (self.seq + 1) & 0xFFFF_FFFF;
         self.origin | self.seq
     }
 
@@ -856,6 +858,22 @@ mod tests {
             b.index().lookup(&ph.blocks, 3, &mut held);
             assert_eq!(held.iter().any(|&n| n > 0), want);
         }
+    }
+
+    #[test]
+    fn request_ids_stay_distinct_past_65536_vm_creations() {
+        let body = completion("hello");
+        let ids: Vec<RequestId> = [1u64, 1 + (1 << 16), 1 + (1 << 20), u64::from(u32::MAX)]
+            .iter()
+            .map(|&origin| {
+                let mut r = Router::new(cfg(""), origin, 3);
+                routed(r.route(ApiKind::Completions, &body, 0)).id
+            })
+            .collect();
+        let mut uniq = ids.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        assert_eq!(uniq.len(), ids.len(), "{ids:x?}");
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //! engine rejects (400 for an oversize prompt, a client abort before the answer) is simply
 //! dropped and leaves the warm prefixes of its worker untouched.
 
-use crate::ids::{mix, RequestId, WorkerId};
-use core::hash::{BuildHasherDefault, Hasher};
+use crate::ids::{BlockHasher, RequestId, WorkerId};
+use core::hash::BuildHasherDefault;
 use hashbrown::HashMap;
 
 /// One request's expected blocks and where they go.
@@ -20,32 +20,7 @@ pub struct Pending {
     pub at_ms: u64,
 }
 
-/// Keys are already spread by `mix`; the map needs nothing more.
-#[derive(Debug, Clone, Copy, Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, x: u64) {
-        self.0 = mix(self.0 ^ x);
-    }
-    #[inline]
-    fn write_u16(&mut self, x: u16) {
-        self.0 = mix(self.0 ^ u64::from(x).wrapping_mul(0xff51_afd7_ed55_8ccd));
-    }
-}
-
-type Build = BuildHasherDefault<KeyHasher>;
+type Build = BuildHasherDefault<BlockHasher>;
 
 /// Unconfirmed requests and, per (block, worker), how many of them expect it.
 #[derive(Debug, Default)]
