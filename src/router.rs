@@ -6,7 +6,7 @@ use crate::calibrate::Calibrator;
 use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
-use crate::hashing::{prompt_hashes, HashParams};
+use crate::hashing::{prompt_hashes_limited, HashParams};
 use crate::ids::{RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
@@ -21,6 +21,8 @@ pub enum Fallback {
     UnknownModel(String),
     /// Scoring found no worker to pick (every cost was unusable).
     NoCandidates,
+    /// The body is over `limits.max_route_bytes`: not parsed or hashed.
+    TooLarge,
 }
 
 impl Fallback {
@@ -30,6 +32,7 @@ impl Fallback {
             Fallback::Parse(_) => "parse_error",
             Fallback::UnknownModel(_) => "unknown_model",
             Fallback::NoCandidates => "no_candidates",
+            Fallback::TooLarge => "too_large",
         }
     }
 }
@@ -189,6 +192,9 @@ impl Router {
     /// Parses the body, scores every worker and records the decision (load and index).
     pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
         self.flush();
+        if body.len() > self.cfg.limits.max_route_bytes as usize {
+            return self.route_fallback(Fallback::TooLarge, now_ms);
+        }
         let req = match parse(kind, body) {
             Ok(r) => r,
             Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
@@ -196,7 +202,14 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let ph = prompt_hashes(&req, &HashParams::from_config(&self.cfg));
+        let ph = prompt_hashes_limited(
+            &req,
+            &HashParams::from_config(&self.cfg),
+            self.cfg.limits.max_blocks as usize,
+        );
+        // The parsed prompt (a batch's every entry) is not needed past hashing.
+        let max_tokens = req.max_tokens;
+        drop(req);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
         // that is follows the calibrated ratio.
@@ -213,8 +226,7 @@ impl Router {
                 bytes,
             )
         };
-        let output = req
-            .max_tokens
+        let output = max_tokens
             .unwrap_or(DEFAULT_OUTPUT_TOKENS)
             .min(MAX_OUTPUT_ESTIMATE);
         let prompt_blocks = prompt_tokens.div_ceil(bs);
@@ -854,7 +866,7 @@ mod tests {
         for (text, want) in [(&ok, true), (&bad, false)] {
             let body = completion(text);
             let req = parse(ApiKind::Completions, &body).unwrap();
-            let ph = prompt_hashes(&req, &HashParams::from_config(b.config()));
+            let ph = crate::hashing::prompt_hashes(&req, &HashParams::from_config(b.config()));
             b.index().lookup(&ph.blocks, 3, &mut held);
             assert_eq!(held.iter().any(|&n| n > 0), want);
         }
@@ -874,6 +886,41 @@ mod tests {
         uniq.sort_unstable();
         uniq.dedup();
         assert_eq!(uniq.len(), ids.len(), "{ids:x?}");
+    }
+
+    #[test]
+    fn limits_bound_what_one_request_costs() {
+        let extra = r#","disaggregation":{"threshold_tokens":0},"limits":{"max_route_bytes":20000,"max_blocks":10}"#;
+        let mut r = Router::new(cfg(extra), 1, 3);
+        // Over max_route_bytes: not parsed, counted as its own fallback, still load.
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(12, 30_000)), 0));
+        assert_eq!(d.fallback, Some(Fallback::TooLarge));
+        assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("too_large"));
+        assert!(d.hashes.is_empty());
+        assert_eq!(r.worker_view(d.target, 0).inflight, 1);
+        r.on_finish(&d, 1);
+        // Within it but over max_blocks: only the leading blocks are hashed and replicated,
+        // the token estimate still covers the whole prompt, and the prefix keeps its affinity.
+        let text = doc(13, 16_000); // ~250 blocks of 64 bytes
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 2));
+        assert_eq!(d.fallback, None);
+        assert_eq!(d.hashes.len(), 10);
+        assert!(d.prompt_tokens > 3000, "{}", d.prompt_tokens);
+        let Event::Routed(ev) = &d.event else {
+            panic!("not routed")
+        };
+        assert_eq!(ev.blocks.len(), 10);
+        r.on_first_byte(&d, true, 3);
+        r.on_finish(&d, 4);
+        let again = routed(r.route(
+            ApiKind::Completions,
+            &completion(&format!("{text} and more")),
+            5,
+        ));
+        assert_eq!(again.decode, d.decode);
+        assert_eq!(again.overlap_tokens, 10 * 16);
+        assert!(Config::from_json(br#"{"limits":{"max_blocks":0}}"#).is_err());
+        assert_eq!(Config::default().limits.max_route_bytes, 8 << 20);
     }
 
     #[test]

@@ -102,6 +102,20 @@ impl Http {
         }
     }
 
+    /// The buffered request body, at most `limits.max_route_bytes + 1` bytes of it: a body
+    /// over the limit is routed as `too_large` and the rest is never copied into the VM.
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        let limit = self
+            .with(|s| s.router.config().limits.max_route_bytes as usize)
+            .unwrap_or(usize::MAX);
+        self.host
+            .buffer(
+                BufferType::HttpRequestBody,
+                size.min(limit.saturating_add(1)),
+            )
+            .unwrap_or_default()
+    }
+
     fn finish(&mut self) {
         if self.finished {
             return;
@@ -146,6 +160,7 @@ fn record_decision(s: &State, d: &Decision) {
                 Fallback::Parse(_) => m.fallback_parse.inc(),
                 Fallback::UnknownModel(_) => m.fallback_model.inc(),
                 Fallback::NoCandidates => m.fallback_no_candidates.inc(),
+                Fallback::TooLarge => m.fallback_too_large.inc(),
             }
         }
         None => {
@@ -214,10 +229,7 @@ impl HttpContext for Http {
             // Envoy buffers until the end of the body.
             return Action::Pause;
         }
-        let body = self
-            .host
-            .buffer(BufferType::HttpRequestBody, body_size)
-            .unwrap_or_default();
+        let body = self.request_body(body_size);
         self.route(&body)
     }
 
@@ -225,10 +237,7 @@ impl HttpContext for Http {
         if self.kind.is_none() || self.routed {
             return Action::Continue;
         }
-        let body = self
-            .host
-            .buffer(BufferType::HttpRequestBody, usize::MAX)
-            .unwrap_or_default();
+        let body = self.request_body(usize::MAX);
         self.route(&body)
     }
 

@@ -45,3 +45,21 @@ def test_rejected_oversize_prompts_do_not_evict_a_warm_prefix():
         assert status == 200 and headers.get("x-kvroute-worker") == "decode-1"
         # Tokens per block follow the calibrated chars per token, which usage may move a little.
         assert predicted(headers) >= 0.9 * before, headers
+
+
+def test_body_over_max_route_bytes_is_a_counted_too_large_fallback():
+    fleet = [Worker("decode-1", role="decode")]
+    limits = {"max_route_bytes": 4096, "max_blocks": 8}
+    with Stack(fleet, kvroute={"disaggregation": {"threshold_tokens": 0}, "limits": limits},
+               concurrency=1) as s:
+        status, headers, _ = s.post("/v1/completions", completion(text(5, 6000)))
+        assert status == 200 and headers.get("x-kvroute-worker") == "decode-1"
+        assert headers.get("x-kvroute-fallback") == "too_large"
+        assert s.stats().get('kvroute_fallbacks_total{reason="too_large"}') == 1.0
+        # Under the byte limit but over max_blocks: routed on its first 8 blocks (128 tokens).
+        long = text(6, 3000)
+        for _ in range(2):
+            status, headers, _ = s.post("/v1/completions", completion(long))
+            assert status == 200 and "x-kvroute-fallback" not in headers
+        # Calibration may move tokens per block a little; the whole prompt would be ~750.
+        assert 0 < predicted(headers) <= 8 * 16 * 1.25, headers
