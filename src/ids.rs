@@ -1,7 +1,7 @@
 //! Ids and limits shared by the index, the load table, the events and the configuration,
 //! defined once so the modules cannot drift apart.
 
-use core::hash::Hasher;
+use core::hash::{BuildHasher, Hasher};
 use core::ops::RangeInclusive;
 
 /// Dense index into the router's worker list.
@@ -30,27 +30,53 @@ pub fn mix(h: u64) -> u64 {
     x ^ (x >> 29)
 }
 
-/// Block hashes are already hash output (xxh3), so the map only needs them spread over
-/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): `mix` instead of a
-/// general-purpose hash.
+/// `mix` under a per-process secret key: which table line or bucket a block hash lands in
+/// cannot be predicted without the key, so prompts crafted to collide under the public
+/// `mix` (block hashes are xxh3 of client text, searchable by brute force) spread like any
+/// others. Two rounds, so a chosen input difference does not pass through the key.
+#[inline]
+pub fn keyed_mix(h: u64, key: u64) -> u64 {
+    mix(mix(h ^ key) ^ key.rotate_left(32))
+}
+
+/// Hasher for maps keyed by block hashes (and small tuples of them): block hashes are
+/// already hash output (xxh3), so `keyed_mix` replaces a general-purpose hash.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct BlockHasher(u64);
+pub struct BlockHasher {
+    state: u64,
+    key: u64,
+}
 
 impl Hasher for BlockHasher {
     #[inline]
     fn finish(&self) -> u64 {
-        mix(self.0)
+        keyed_mix(self.state, self.key)
     }
 
     #[inline]
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+            self.state = self.state.rotate_left(8) ^ u64::from(b);
         }
     }
 
     #[inline]
     fn write_u64(&mut self, x: u64) {
-        self.0 ^= x;
+        self.state = mix(self.state ^ x);
+    }
+}
+
+/// Builds `BlockHasher`s under one secret key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyedState(pub u64);
+
+impl BuildHasher for KeyedState {
+    type Hasher = BlockHasher;
+    #[inline]
+    fn build_hasher(&self) -> BlockHasher {
+        BlockHasher {
+            state: 0,
+            key: self.0,
+        }
     }
 }

@@ -7,7 +7,7 @@ use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
 use crate::hashing::{prompt_hashes_limited, HashParams};
-use crate::ids::{RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
+use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
 use crate::request::{parse, ApiKind, ParseError};
@@ -123,10 +123,21 @@ impl Router {
     /// bits go into the top of every id: the replication member id, unique for 2^32 VM
     /// creations; the low 32 bits count this VM's requests, and wrap only after 2^32 of them,
     /// long after the earlier ones with the same id have ended or expired).
+    /// The tables' hash key is derived from `seed`; see `with_hash_key`.
     pub fn new(cfg: Config, origin: u64, seed: u64) -> Self {
+        Self::with_hash_key(cfg, origin, seed, mix(seed ^ 0x6a09_e667_f3bc_c908))
+    }
+
+    /// `hash_key`: per-process secret for the index and load tables' hashing (hash
+    /// flooding); the filter takes it from the host's clock at configuration, apart from a
+    /// configured `seed` (which may be known).
+    pub fn with_hash_key(cfg: Config, origin: u64, seed: u64, hash_key: u64) -> Self {
         let sel = SelectParams::from_config(&cfg);
-        let params = LoadParams::from_config(&cfg);
-        let mut index = PrefixIndex::new(cfg.index.ttl_ms);
+        let params = LoadParams {
+            hash_key,
+            ..LoadParams::from_config(&cfg)
+        };
+        let mut index = PrefixIndex::with_key(cfg.index.ttl_ms, hash_key);
         let mut decode_pool = Vec::new();
         let mut prefill_pool = Vec::new();
         for (i, w) in cfg.workers.iter().enumerate() {
@@ -159,7 +170,7 @@ impl Router {
             calib,
             origin: (origin & 0xFFFF_FFFF) << 32,
             seq: 0,
-            speculative: Speculative::default(),
+            speculative: Speculative::new(hash_key),
             pending: Vec::new(),
         }
     }

@@ -98,9 +98,11 @@ impl State {
             ),
         );
         let intercept = Intercept::from_config(&cfg);
+        // The tables' hash key comes from the clock, never from a configured seed.
+        let hash_key = host.now_ns().rotate_left(17) ^ origin;
         State {
             host,
-            router: Router::new(cfg, origin, seed),
+            router: Router::with_hash_key(cfg, origin, seed, hash_key),
             metrics,
             intercept,
             bus,

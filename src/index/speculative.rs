@@ -7,8 +7,7 @@
 //! engine rejects (400 for an oversize prompt, a client abort before the answer) is simply
 //! dropped and leaves the warm prefixes of its worker untouched.
 
-use crate::ids::{BlockHasher, RequestId, WorkerId};
-use core::hash::BuildHasherDefault;
+use crate::ids::{KeyedState, RequestId, WorkerId};
 use hashbrown::HashMap;
 
 /// One request's expected blocks and where they go.
@@ -20,16 +19,22 @@ pub struct Pending {
     pub at_ms: u64,
 }
 
-type Build = BuildHasherDefault<BlockHasher>;
-
 /// Unconfirmed requests and, per (block, worker), how many of them expect it.
 #[derive(Debug, Default)]
 pub struct Speculative {
-    reqs: HashMap<RequestId, Pending, Build>,
-    held: HashMap<(u64, WorkerId), u32, Build>,
+    reqs: HashMap<RequestId, Pending, KeyedState>,
+    held: HashMap<(u64, WorkerId), u32, KeyedState>,
 }
 
 impl Speculative {
+    /// Maps hashed under the secret `key` (see `keyed_mix`).
+    pub fn new(key: u64) -> Self {
+        Speculative {
+            reqs: HashMap::with_hasher(KeyedState(key)),
+            held: HashMap::with_hasher(KeyedState(key)),
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.reqs.is_empty()
     }
