@@ -512,23 +512,15 @@ impl Router {
         e
     }
 
-    /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
-    /// blocks this request was predicted to add there (they were never computed).
-    pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
-        self.flush();
-        let mut out = vec![Event::Failed {
+    /// A worker failed (its own 5xx, refused, reset, timeout): cool it down. The request's
+    /// blocks were never confirmed, so they leave with its `Free`; nothing is forgotten from
+    /// the index, where other requests' confirmed blocks on that worker live (`Forget` is
+    /// still applied when a peer of an older build sends it).
+    pub fn on_failure(&mut self, _d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
+        let out = vec![Event::Failed {
             worker,
             at_ms: now_ms,
         }];
-        let held = (f64::from(d.overlap_tokens) / self.tokens_per_block(d)).floor() as usize;
-        if let Some(new) = d.hashes.get(held..).filter(|h| !h.is_empty()) {
-            for w in [Some(d.decode), d.prefill].into_iter().flatten() {
-                out.push(Event::Forget {
-                    worker: w,
-                    hashes: new.to_vec(),
-                });
-            }
-        }
         for e in &out {
             self.apply(e, now_ms);
         }
@@ -596,15 +588,6 @@ impl Router {
             }
         }
         (out, ev)
-    }
-
-    fn tokens_per_block(&self, d: &Decision) -> f64 {
-        let bs = f64::from(self.cfg.block_size.max(1));
-        if d.exact_tokens {
-            bs
-        } else {
-            bs * self.cfg.chars_per_token / self.chars_per_token
-        }
     }
 
     /// Periodic housekeeping: lost requests and stale index entries.
@@ -767,11 +750,23 @@ mod tests {
     #[test]
     fn failure_cools_down_and_forgets_uncomputed_blocks() {
         let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
-        let text = doc(4, 8000);
+        let half = doc(4, 4000);
+        let text = format!("{half}{}", doc(40, 4000));
+        // An earlier request confirmed the first half on its worker.
+        let first = routed(r.route(ApiKind::Completions, &completion(&half), 0));
+        r.on_first_byte(&first, true, 0);
+        r.on_finish(&first, 0);
         let d = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        assert_eq!(d.decode, first.decode);
         let evs = r.on_failure(&d, d.decode, 1);
-        assert!(evs.iter().any(|e| matches!(e, Event::Forget { .. })));
+        assert_eq!(evs.len(), 1, "{evs:?}");
+        assert!(matches!(evs[0], Event::Failed { .. }));
         r.on_finish(&d, 1);
+        assert_eq!(r.speculative_requests(), 0);
+        // The confirmed half stays, the failed request's own blocks are gone.
+        let mut held = vec![0u32; 6];
+        r.held_blocks(&d.hashes, 2, &mut held);
+        assert_eq!(held[usize::from(d.decode)] as usize, first.hashes.len());
         assert!(!r.worker_view(d.decode, 2).healthy);
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 3));
         assert_ne!(again.decode, d.decode, "avoids the failed worker");

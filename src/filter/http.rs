@@ -249,7 +249,6 @@ impl HttpContext for Http {
         let host = &self.host;
         let header = |name| host.header(MapType::HttpResponseHeaders, name);
         let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        self.success = (200..300).contains(&status);
         let orca = header(ORCA_RESPONSE);
         // Set by Envoy with `include_attempt_count_in_response`.
         let attempts: u32 = header("x-envoy-attempt-count")
@@ -263,7 +262,8 @@ impl HttpContext for Http {
             let mut evs: Vec<Event> = Vec::new();
             let same_host =
                 feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
-            match feedback::classify(Some(status), attempts, same_host, details.as_deref()) {
+            let outcome = feedback::classify(Some(status), attempts, same_host, details.as_deref());
+            match outcome {
                 Outcome::Failure => record_failure(s, &d, now, &mut evs),
                 Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
                 Outcome::Neutral | Outcome::ClientGone => {}
@@ -273,11 +273,18 @@ impl HttpContext for Http {
                 evs.push(s.router.on_orca(d.target, &load, now));
             }
             s.broadcast(&evs);
-            s.router
+            let debug = s
+                .router
                 .config()
                 .debug_headers
-                .then(|| steer::debug_headers(&s.router, &d))
+                .then(|| steer::debug_headers(&s.router, &d));
+            (outcome, debug)
         });
+        // A 2xx that Envoy had to get from elsewhere (a retry, a failover host) does not
+        // prove the chosen worker computed the prompt.
+        let outcome = debug.as_ref().map(|(o, _)| *o);
+        self.success = (200..300).contains(&status) && outcome != Some(Outcome::Failure);
+        let debug = debug.map(|(_, h)| h);
         if let Some(Some(headers)) = debug {
             if let Some(f) = &d.fallback {
                 host.log(
