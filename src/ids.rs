@@ -60,9 +60,10 @@ impl Hasher for BlockHasher {
         }
     }
 
+    /// Keys are single u64s: `finish` does all the mixing.
     #[inline]
     fn write_u64(&mut self, x: u64) {
-        self.state = mix(self.state ^ x);
+        self.state ^= x;
     }
 }
 

@@ -8,6 +8,7 @@
 //! dropped and leaves the warm prefixes of its worker untouched.
 
 use crate::ids::{KeyedState, RequestId, WorkerId};
+use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
 /// One request's expected blocks and where they go.
@@ -23,7 +24,8 @@ pub struct Pending {
 #[derive(Debug, Default)]
 pub struct Speculative {
     reqs: HashMap<RequestId, Pending, KeyedState>,
-    held: HashMap<(u64, WorkerId), u32, KeyedState>,
+    /// Keyed by `slot(block, worker)`.
+    held: HashMap<u64, u32, KeyedState>,
 }
 
 impl Speculative {
@@ -51,7 +53,7 @@ impl Speculative {
         }
         for w in workers(&p) {
             for &h in &p.hashes {
-                *self.held.entry((h, w)).or_insert(0) += 1;
+                *self.held.entry(slot(h, w)).or_insert(0) += 1;
             }
         }
         self.reqs.insert(id, p);
@@ -62,10 +64,11 @@ impl Speculative {
         let p = self.reqs.remove(&id)?;
         for w in workers(&p) {
             for &h in &p.hashes {
-                if let Some(n) = self.held.get_mut(&(h, w)) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.held.remove(&(h, w));
+                if let Entry::Occupied(mut e) = self.held.entry(slot(h, w)) {
+                    if *e.get() <= 1 {
+                        e.remove();
+                    } else {
+                        *e.get_mut() -= 1;
                     }
                 }
             }
@@ -92,7 +95,7 @@ impl Speculative {
             };
             let mut k = *run as usize;
             while let Some(&h) = hashes.get(k) {
-                if !self.held.contains_key(&(h, wid)) {
+                if !self.held.contains_key(&slot(h, wid)) {
                     break;
                 }
                 k += 1;
@@ -115,6 +118,14 @@ impl Speculative {
         }
         old.len()
     }
+}
+
+/// One u64 per (block, worker): the block hash (xxh3 output, not chosen by clients) moved by
+/// a per-worker odd constant. Two pairs share a key only if their hashes differ by exactly
+/// the difference of those constants: a 2^-64 accident, as for block hashes themselves.
+#[inline]
+fn slot(h: u64, w: WorkerId) -> u64 {
+    h ^ (u64::from(w) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 fn workers(p: &Pending) -> impl Iterator<Item = WorkerId> {
