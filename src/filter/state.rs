@@ -193,8 +193,21 @@ impl State {
     fn apply_message(&mut self, msg: &[u8]) {
         let now = self.host.now_ms();
         {
-            match events::decode(msg) {
-                Ok((sent_ns, evs)) => {
+            match events::decode_counted(msg) {
+                Ok(events::Decoded {
+                    sent_ns,
+                    events: evs,
+                    skipped,
+                    first_error,
+                }) => {
+                    if let Some(e) = first_error {
+                        // The readable events of the message still apply.
+                        self.metrics.repl_errors.add(u64::from(skipped));
+                        self.host.log(
+                            LogLevel::Warn,
+                            &format!("kvroute: skipped {skipped} replication event(s): {e}"),
+                        );
+                    }
                     self.metrics.repl_received.add(evs.len() as u64);
                     self.metrics
                         .repl_delay_us
