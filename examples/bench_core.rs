@@ -490,7 +490,7 @@ impl Bench {
             if let Some(f) = self.inflight.get_mut(n - 1 - FIRST_BYTE_AFTER) {
                 if !f.first_byte {
                     f.first_byte = true;
-                    self.router.on_first_byte(&f.d, self.now);
+                    self.router.on_first_byte(&f.d, true, self.now);
                 }
             }
         }
@@ -515,7 +515,7 @@ impl Bench {
     fn drain(&mut self) {
         while let Some(old) = self.inflight.pop_front() {
             if !old.first_byte {
-                self.router.on_first_byte(&old.d, self.now);
+                self.router.on_first_byte(&old.d, true, self.now);
             }
             self.router.on_finish(&old.d, self.now);
         }

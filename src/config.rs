@@ -30,6 +30,7 @@ pub struct Config {
     pub index: IndexConfig,
     pub load: LoadConfig,
     pub health: HealthConfig,
+    pub limits: LimitsConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -51,6 +52,7 @@ impl Default for Config {
             index: IndexConfig::default(),
             load: LoadConfig::default(),
             health: HealthConfig::default(),
+            limits: LimitsConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -284,6 +286,29 @@ impl Default for HealthConfig {
     }
 }
 
+/// Bounds on the work and memory one request may cost the router.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// A body larger than this is not parsed or hashed: the request goes to the least-loaded
+    /// worker as a `too_large` fallback (counted), and only this many bytes (+1) are ever
+    /// copied into the filter.
+    pub max_route_bytes: u32,
+    /// Only the first this many blocks of a prompt are hashed, looked up, recorded and
+    /// replicated; the rest still counts as load. The leading blocks carry the prompt's
+    /// affinity, so a long prompt is still routed to the worker holding its prefix.
+    pub max_blocks: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_route_bytes: 8 << 20,
+            max_blocks: 65_536,
+        }
+    }
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -438,6 +463,12 @@ impl Config {
         }
         if self.index.default_kv_blocks == 0 {
             return Err(err("index.default_kv_blocks", "must be at least 1"));
+        }
+        if self.limits.max_route_bytes == 0 {
+            return Err(err("limits.max_route_bytes", "must be at least 1"));
+        }
+        if self.limits.max_blocks == 0 {
+            return Err(err("limits.max_blocks", "must be at least 1"));
         }
         if self.load.request_ttl_ms == 0 {
             return Err(err("load.request_ttl_ms", "must be at least 1"));

@@ -4,13 +4,17 @@
 //! Each VM applies its own events at once and enqueues them to its peers; a peer applies
 //! them in `on_queue_ready`. A message is a version byte, the sender's clock in nanoseconds
 //! (so receivers can measure replication delay), then one or more events, so a sender may
-//! batch. Decoding never panics: a short or unknown message yields an error and
-//! the rest of that message is dropped.
+//! batch. Since version 2 every event is framed as tag, payload length (u32), payload, so a
+//! receiver skips an event it cannot read (unknown tag, bad payload) and keeps the rest of
+//! the batch; version 1 messages (unframed) are still read, up to their first bad event.
+//! Decoding never panics.
 
 use crate::ids::{RequestId, WorkerId};
 use crate::load::{NewRequest, Report};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Unframed events: read for compatibility, never written.
+const VERSION_UNFRAMED: u8 = 1;
 const NO_WORKER: u16 = u16::MAX;
 const NO_COUNT: u32 = u32::MAX;
 
@@ -23,12 +27,18 @@ const TAG_FAILED: u8 = 5;
 const TAG_RECOVERED: u8 = 6;
 const TAG_FORGET: u8 = 7;
 const TAG_CALIBRATE: u8 = 8;
+const TAG_CONFIRMED: u8 = 9;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A routing decision: charge load and record the prompt as cached on the workers.
     Routed(NewRequest),
     PrefillDone {
+        id: RequestId,
+    },
+    /// The request's worker answered 2xx: its prompt's blocks are in the worker's cache.
+    /// Until then they are speculative, and a request that ends without it leaves nothing.
+    Confirmed {
         id: RequestId,
     },
     Free {
@@ -83,7 +93,14 @@ pub fn encode(sent_ns: u64, events: &[Event]) -> Vec<u8> {
     out.push(VERSION);
     put_u64(&mut out, sent_ns);
     for e in events {
+        out.push(e.tag());
+        let at = out.len();
+        put_u32(&mut out, 0);
         encode_one(e, &mut out);
+        let len = u32::try_from(out.len() - at - 4).unwrap_or(u32::MAX);
+        if let Some(slot) = out.get_mut(at..at + 4) {
+            slot.copy_from_slice(&len.to_le_bytes());
+        }
     }
     out
 }
@@ -93,6 +110,7 @@ impl Event {
         match self {
             Event::Routed(_) => TAG_ROUTED,
             Event::PrefillDone { .. } => TAG_PREFILL_DONE,
+            Event::Confirmed { .. } => TAG_CONFIRMED,
             Event::Free { .. } => TAG_FREE,
             Event::Report { .. } => TAG_REPORT,
             Event::Failed { .. } => TAG_FAILED,
@@ -104,7 +122,6 @@ impl Event {
 }
 
 fn encode_one(e: &Event, o: &mut Vec<u8>) {
-    o.push(e.tag());
     match e {
         Event::Routed(r) => {
             put_u64(o, r.id);
@@ -116,7 +133,7 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u32(o, r.prefill_tokens);
             put_hashes(o, &r.blocks);
         }
-        Event::PrefillDone { id } | Event::Free { id } => put_u64(o, *id),
+        Event::PrefillDone { id } | Event::Free { id } | Event::Confirmed { id } => put_u64(o, *id),
         Event::Report { worker, report } => {
             put_u16(o, *worker);
             put_u32(o, report.kv_usage.to_bits());
@@ -137,19 +154,68 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
     }
 }
 
-/// The sender's clock and the events of one message.
-pub fn decode(msg: &[u8]) -> Result<(u64, Vec<Event>), DecodeError> {
+/// One message as received: what could be read and how many events could not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    pub sent_ns: u64,
+    pub events: Vec<Event>,
+    /// Events skipped as unreadable (an unframed message counts its unread rest as one).
+    pub skipped: u32,
+    /// Why the first skipped event was skipped.
+    pub first_error: Option<DecodeError>,
+}
+
+/// Reads a message event by event; an error only when its header is unusable.
+pub fn decode_counted(msg: &[u8]) -> Result<Decoded, DecodeError> {
     let (&v, rest) = msg.split_first().ok_or(DecodeError::Empty)?;
-    if v != VERSION {
+    if v != VERSION && v != VERSION_UNFRAMED {
         return Err(DecodeError::Version(v));
     }
     let mut r = Reader(rest);
     let sent_ns = r.u64().ok_or(DecodeError::Truncated)?;
-    let mut out = Vec::new();
+    let mut d = Decoded {
+        sent_ns,
+        events: Vec::new(),
+        skipped: 0,
+        first_error: None,
+    };
+    let skip = |d: &mut Decoded, e: DecodeError| {
+        d.skipped += 1;
+        d.first_error.get_or_insert(e);
+    };
     while let Some(tag) = r.u8() {
-        out.push(decode_one(tag, &mut r)?);
+        if v == VERSION_UNFRAMED {
+            match decode_one(tag, &mut r) {
+                Ok(e) => d.events.push(e),
+                Err(e) => {
+                    skip(&mut d, e);
+                    break;
+                }
+            }
+            continue;
+        }
+        let Some(body) = r.u32().and_then(|n| r.take(n as usize)) else {
+            skip(&mut d, DecodeError::Truncated);
+            break;
+        };
+        let mut one = Reader(body);
+        match decode_one(tag, &mut one) {
+            Ok(e) if one.0.is_empty() => d.events.push(e),
+            Ok(_) => skip(&mut d, DecodeError::Truncated),
+            Err(e) => skip(&mut d, e),
+        }
     }
-    Ok((sent_ns, out))
+    Ok(d)
+}
+
+/// The sender's clock and the readable events of one message; an error when the message
+/// is unusable or none of its events could be read.
+pub fn decode(msg: &[u8]) -> Result<(u64, Vec<Event>), DecodeError> {
+    let d = decode_counted(msg)?;
+    match d.first_error {
+        Some(e) if d.events.is_empty() => Err(e),
+        _ => Ok((d.sent_ns, d.events)),
+    }
 }
 
 fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
@@ -176,6 +242,9 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             })
         }
         TAG_PREFILL_DONE => Event::PrefillDone {
+            id: r.u64().ok_or(t)?,
+        },
+        TAG_CONFIRMED => Event::Confirmed {
             id: r.u64().ok_or(t)?,
         },
         TAG_FREE => Event::Free {
@@ -304,6 +373,7 @@ mod tests {
                 blocks: vec![],
             }),
             Event::PrefillDone { id: 9 },
+            Event::Confirmed { id: 9 },
             Event::Free { id: 9 },
             Event::Report {
                 worker: 1,
@@ -369,9 +439,10 @@ mod tests {
             .collect();
         assert_eq!(
             hex,
-            "01\
+            "02\
              0201000000000000\
              01\
+             2c000000\
              0700000000000000\
              0900000000000000\
              0300\
@@ -382,12 +453,65 @@ mod tests {
              01000000\
              ab00000000000000\
              04\
+             16000000\
              0200\
              0000003f\
              03000000\
              ffffffff\
              0b00000000000000"
         );
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// Version 1 (unframed) messages from an older build are still read.
+    #[test]
+    fn unframed_version_1_is_still_read() {
+        let v1 = unhex(concat!(
+            "01",
+            "0201000000000000",
+            "03",
+            "0900000000000000",
+            "06",
+            "0500",
+            "c8",
+            "0100"
+        ));
+        let d = decode_counted(&v1).unwrap();
+        assert_eq!(d.sent_ns, 0x0102);
+        assert_eq!(
+            d.events,
+            vec![Event::Free { id: 9 }, Event::Recovered { worker: 5 }]
+        );
+        assert_eq!(
+            (d.skipped, d.first_error),
+            (1, Some(DecodeError::UnknownTag(200)))
+        );
+    }
+
+    /// One bad event (unknown tag from a newer build, or a payload that does not match its
+    /// tag) costs only itself, not the batch.
+    #[test]
+    fn a_bad_event_is_skipped_and_counted() {
+        let good = encode(5, &[Event::Free { id: 1 }]);
+        let mut msg = good.clone();
+        // Unknown tag 200 with a 3-byte payload.
+        msg.extend_from_slice(&[200, 3, 0, 0, 0, 1, 2, 3]);
+        // A Free whose payload is one byte short.
+        msg.extend_from_slice(&[TAG_FREE, 7, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]);
+        // A Recovered with a trailing byte.
+        msg.extend_from_slice(&[TAG_RECOVERED, 3, 0, 0, 0, 4, 0, 9]);
+        msg.extend_from_slice(&good[9..]);
+        let d = decode_counted(&msg).unwrap();
+        assert_eq!(d.events, vec![Event::Free { id: 1 }, Event::Free { id: 1 }]);
+        assert_eq!(d.skipped, 3);
+        assert_eq!(d.first_error, Some(DecodeError::UnknownTag(200)));
+        assert_eq!(decode(&msg).unwrap().1.len(), 2);
     }
 
     #[test]
@@ -410,12 +534,16 @@ mod tests {
         assert_eq!(decode(&[9, 1]), Err(DecodeError::Version(9)));
         assert_eq!(decode(&[VERSION, 1, 2]), Err(DecodeError::Truncated));
         assert_eq!(
-            decode(&[VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 200]),
+            decode(&[VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 200, 0, 0, 0, 0]),
             Err(DecodeError::UnknownTag(200))
         );
-        // A hash count far beyond the message must not allocate or panic.
-        let mut bad = vec![VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0];
+        // A frame or hash count far beyond the message must not allocate or panic.
+        let mut bad = vec![VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 7];
         bad.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode(&bad), Err(DecodeError::Truncated));
+        let mut bad = vec![VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 7, 10, 0, 0, 0, 0, 0];
+        bad.extend_from_slice(&u32::MAX.to_le_bytes());
+        bad.extend_from_slice(&[0; 4]);
         assert_eq!(decode(&bad), Err(DecodeError::Truncated));
     }
 }

@@ -116,6 +116,16 @@ fn seed(model: &str, salt: Option<&str>) -> u64 {
 /// For a batch, only the first entry (the routing prompt) is hashed; all entries count
 /// towards `est_tokens`.
 pub fn prompt_hashes(req: &InferenceRequest<'_>, p: &HashParams) -> PromptHashes {
+    prompt_hashes_limited(req, p, usize::MAX)
+}
+
+/// `prompt_hashes` of at most the first `max_blocks` blocks: hashing stops there (the token
+/// estimate still covers the whole prompt).
+pub fn prompt_hashes_limited(
+    req: &InferenceRequest<'_>,
+    p: &HashParams,
+    max_blocks: usize,
+) -> PromptHashes {
     let seed = seed(&req.model, req.cache_salt.as_deref());
     match &req.prompt {
         Prompt::Tokens(lists) => {
@@ -124,14 +134,14 @@ pub fn prompt_hashes(req: &InferenceRequest<'_>, p: &HashParams) -> PromptHashes
                 sum.saturating_add(u32::try_from(n).unwrap_or(u32::MAX))
             });
             PromptHashes {
-                blocks: token_blocks(first, p.tokens_per_block(), seed),
+                blocks: token_blocks(first, p.tokens_per_block(), seed, max_blocks),
                 est_tokens: est,
                 exact: true,
             }
         }
         Prompt::Text(texts) => {
             let first = texts.first().map_or("", |t| t.as_ref()).as_bytes();
-            let mut chain = Chain::new(seed, p.text_block_bytes(), first.len());
+            let mut chain = Chain::new(seed, p.text_block_bytes(), first.len(), max_blocks);
             chain.put(first);
             let est = texts.iter().fold(0u32, |sum, t| {
                 sum.saturating_add(p.estimate_tokens(t.len()))
@@ -143,7 +153,12 @@ pub fn prompt_hashes(req: &InferenceRequest<'_>, p: &HashParams) -> PromptHashes
             }
         }
         Prompt::Chat { messages, tools } => {
-            let mut chain = Chain::new(seed, p.text_block_bytes(), canon::size_hint(messages));
+            let mut chain = Chain::new(
+                seed,
+                p.text_block_bytes(),
+                canon::size_hint(messages),
+                max_blocks,
+            );
             canon::write_chat(&mut chain, messages, tools);
             let est = p.estimate_tokens(chain.fed);
             PromptHashes {
@@ -155,11 +170,13 @@ pub fn prompt_hashes(req: &InferenceRequest<'_>, p: &HashParams) -> PromptHashes
     }
 }
 
-fn token_blocks(tokens: &[u32], per_block: usize, seed: u64) -> Vec<u64> {
-    let mut chain = Chain::new(seed, per_block.saturating_mul(4), 0);
-    chain.blocks.reserve_exact(tokens.len() / per_block);
+fn token_blocks(tokens: &[u32], per_block: usize, seed: u64, max_blocks: usize) -> Vec<u64> {
+    let mut chain = Chain::new(seed, per_block.saturating_mul(4), 0, max_blocks);
+    chain
+        .blocks
+        .reserve_exact((tokens.len() / per_block).min(max_blocks));
     let mut bytes = Vec::with_capacity(per_block.saturating_mul(4));
-    for block in tokens.chunks_exact(per_block) {
+    for block in tokens.chunks_exact(per_block).take(max_blocks) {
         bytes.clear();
         for token in block {
             bytes.extend_from_slice(&token.to_le_bytes());
@@ -184,10 +201,12 @@ struct Chain {
     parent: Option<u64>,
     fed: usize,
     blocks: Vec<u64>,
+    /// Blocks beyond this many are not hashed (the bytes still count in `fed`).
+    max_blocks: usize,
 }
 
 impl Chain {
-    fn new(seed: u64, block: usize, expected_bytes: usize) -> Self {
+    fn new(seed: u64, block: usize, expected_bytes: usize, max_blocks: usize) -> Self {
         let block = block.max(1);
         Self {
             seed,
@@ -195,7 +214,8 @@ impl Chain {
             pending: Vec::new(),
             parent: None,
             fed: 0,
-            blocks: Vec::with_capacity(expected_bytes / block),
+            blocks: Vec::with_capacity((expected_bytes / block).min(max_blocks)),
+            max_blocks,
         }
     }
 
@@ -217,6 +237,9 @@ impl Chain {
 impl Sink for Chain {
     fn put(&mut self, mut data: &[u8]) {
         self.fed = self.fed.saturating_add(data.len());
+        if self.blocks.len() >= self.max_blocks {
+            return;
+        }
         if !self.pending.is_empty() {
             let missing = self.block.saturating_sub(self.pending.len());
             let (head, rest) = data.split_at(missing.min(data.len()));
@@ -231,6 +254,9 @@ impl Sink for Chain {
         }
         let mut blocks = data.chunks_exact(self.block);
         for block in &mut blocks {
+            if self.blocks.len() >= self.max_blocks {
+                return;
+            }
             let local = xxh3_64_with_seed(block, self.seed);
             self.link(local);
         }

@@ -6,8 +6,7 @@
 //! VM would otherwise leak load forever.
 
 use crate::config::Config;
-use crate::ids::{mix, RequestId, WorkerId};
-use core::hash::{BuildHasherDefault, Hasher};
+use crate::ids::{KeyedState, RequestId, WorkerId};
 use hashbrown::hash_map::Entry;
 use hashbrown::HashMap;
 
@@ -47,6 +46,8 @@ pub struct LoadParams {
     pub prefill_overhead_ms: u64,
     pub staged_decode: bool,
     pub fresh_half_life_ms: u64,
+    /// Secret key of the block maps' hashing (hash flooding); the adapter supplies it.
+    pub hash_key: u64,
 }
 
 impl LoadParams {
@@ -58,6 +59,7 @@ impl LoadParams {
             prefill_overhead_ms: cfg.load.prefill_overhead_ms,
             staged_decode: cfg.scoring.staged_decode,
             fresh_half_life_ms: cfg.scoring.cache_balance_half_life_ms,
+            hash_key: 0,
         }
     }
 }
@@ -69,32 +71,7 @@ impl Default for LoadParams {
     }
 }
 
-/// Block hashes are already hash output (xxh3), so the map only needs them spread over
-/// hashbrown's bucket bits and 7-bit tags (tests feed small integers): `mix` instead of a
-/// general-purpose hash.
-#[derive(Debug, Clone, Copy, Default)]
-struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    #[inline]
-    fn finish(&self) -> u64 {
-        mix(self.0)
-    }
-
-    #[inline]
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, x: u64) {
-        self.0 ^= x;
-    }
-}
-
-type BlockRefs = HashMap<u64, u32, BuildHasherDefault<BlockHasher>>;
+type BlockRefs = HashMap<u64, u32, KeyedState>;
 
 /// A worker's block map keeps its allocation when it empties if it holds at most this many
 /// entries (a 128k-token prompt's 8k blocks do not stay allocated on every worker that saw
@@ -153,7 +130,7 @@ impl WorkerLoad {
             return;
         }
         if self.block_refs.is_empty() {
-            self.block_refs = BlockRefs::default();
+            self.block_refs = BlockRefs::with_hasher(*self.block_refs.hasher());
         } else if self.block_refs.len() * 8 < cap {
             self.block_refs.shrink_to(self.block_refs.len() * 2);
         }
@@ -184,7 +161,12 @@ impl LoadTable {
     pub fn new(workers: usize, params: LoadParams) -> Self {
         Self {
             params,
-            workers: vec![WorkerLoad::default(); workers],
+            workers: (0..workers)
+                .map(|_| WorkerLoad {
+                    block_refs: BlockRefs::with_hasher(KeyedState(params.hash_key)),
+                    ..WorkerLoad::default()
+                })
+                .collect(),
             active: HashMap::new(),
         }
     }

@@ -6,9 +6,9 @@ use crate::calibrate::Calibrator;
 use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
-use crate::hashing::{prompt_hashes, HashParams};
-use crate::ids::{RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
-use crate::index::PrefixIndex;
+use crate::hashing::{prompt_hashes_limited, HashParams};
+use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
+use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
 use crate::request::{parse, ApiKind, ParseError};
 use crate::rng::Rng;
@@ -21,6 +21,8 @@ pub enum Fallback {
     UnknownModel(String),
     /// Scoring found no worker to pick (every cost was unusable).
     NoCandidates,
+    /// The body is over `limits.max_route_bytes`: not parsed or hashed.
+    TooLarge,
 }
 
 impl Fallback {
@@ -30,6 +32,7 @@ impl Fallback {
             Fallback::Parse(_) => "parse_error",
             Fallback::UnknownModel(_) => "unknown_model",
             Fallback::NoCandidates => "no_candidates",
+            Fallback::TooLarge => "too_large",
         }
     }
 }
@@ -103,8 +106,11 @@ pub struct Router {
     calib: Calibrator,
     origin: u64,
     seq: u64,
-    /// Local decisions whose index insert has not run yet: (worker, prefill worker, hashes, at).
-    pending: Vec<(WorkerId, Option<WorkerId>, Vec<u64>, u64)>,
+    /// Routed prompts not yet confirmed by a successful first byte: seen by lookups, kept out
+    /// of the index (so a rejected request evicts nothing).
+    speculative: Speculative,
+    /// Local decisions not yet in `speculative`: (request, its blocks).
+    pending: Vec<(RequestId, Pending)>,
 }
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
@@ -113,12 +119,25 @@ const DEFAULT_OUTPUT_TOKENS: u32 = 256;
 const MAX_OUTPUT_ESTIMATE: u32 = 4096;
 
 impl Router {
-    /// `origin` distinguishes this replica's request ids from other threads' (its low 16
-    /// bits go into the top of every id).
+    /// `origin` distinguishes this replica's request ids from other threads' (its low 32
+    /// bits go into the top of every id: the replication member id, unique for 2^32 VM
+    /// creations; the low 32 bits count this VM's requests, and wrap only after 2^32 of them,
+    /// long after the earlier ones with the same id have ended or expired).
+    /// The tables' hash key is derived from `seed`; see `with_hash_key`.
     pub fn new(cfg: Config, origin: u64, seed: u64) -> Self {
+        Self::with_hash_key(cfg, origin, seed, mix(seed ^ 0x6a09_e667_f3bc_c908))
+    }
+
+    /// `hash_key`: per-process secret for the index and load tables' hashing (hash
+    /// flooding); the filter takes it from the host's clock at configuration, apart from a
+    /// configured `seed` (which may be known).
+    pub fn with_hash_key(cfg: Config, origin: u64, seed: u64, hash_key: u64) -> Self {
         let sel = SelectParams::from_config(&cfg);
-        let params = LoadParams::from_config(&cfg);
-        let mut index = PrefixIndex::new(cfg.index.ttl_ms);
+        let params = LoadParams {
+            hash_key,
+            ..LoadParams::from_config(&cfg)
+        };
+        let mut index = PrefixIndex::with_key(cfg.index.ttl_ms, hash_key);
         let mut decode_pool = Vec::new();
         let mut prefill_pool = Vec::new();
         for (i, w) in cfg.workers.iter().enumerate() {
@@ -149,8 +168,9 @@ impl Router {
             rng: Rng::new(seed),
             chars_per_token,
             calib,
-            origin: (origin & 0xFFFF) << 48,
+            origin: (origin & 0xFFFF_FFFF) << 32,
             seq: 0,
+            speculative: Speculative::new(hash_key),
             pending: Vec::new(),
         }
     }
@@ -176,13 +196,16 @@ impl Router {
     }
 
     fn next_id(&mut self) -> RequestId {
-        self.seq = (self.seq + 1) & 0xFFFF_FFFF_FFFF;
+        self.seq = (self.seq + 1) & 0xFFFF_FFFF;
         self.origin | self.seq
     }
 
     /// Parses the body, scores every worker and records the decision (load and index).
     pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
         self.flush();
+        if body.len() > self.cfg.limits.max_route_bytes as usize {
+            return self.route_fallback(Fallback::TooLarge, now_ms);
+        }
         let req = match parse(kind, body) {
             Ok(r) => r,
             Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
@@ -190,7 +213,14 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let ph = prompt_hashes(&req, &HashParams::from_config(&self.cfg));
+        let ph = prompt_hashes_limited(
+            &req,
+            &HashParams::from_config(&self.cfg),
+            self.cfg.limits.max_blocks as usize,
+        );
+        // The parsed prompt (a batch's every entry) is not needed past hashing.
+        let max_tokens = req.max_tokens;
+        drop(req);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
         // that is follows the calibrated ratio.
@@ -207,8 +237,7 @@ impl Router {
                 bytes,
             )
         };
-        let output = req
-            .max_tokens
+        let output = max_tokens
             .unwrap_or(DEFAULT_OUTPUT_TOKENS)
             .min(MAX_OUTPUT_ESTIMATE);
         let prompt_blocks = prompt_tokens.div_ceil(bs);
@@ -218,7 +247,7 @@ impl Router {
         };
 
         let mut held = vec![0u32; self.cfg.workers.len()];
-        self.index.lookup(&ph.blocks, now_ms, &mut held);
+        self.held_blocks(&ph.blocks, now_ms, &mut held);
         let overlap_tokens = |w: WorkerId| -> u32 {
             let blocks = held.get(usize::from(w)).copied().unwrap_or(0);
             ((f64::from(blocks) * tokens_per_block) as u32).min(prompt_tokens)
@@ -260,11 +289,18 @@ impl Router {
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
             now_ms,
         };
-        // Load is charged now; the index insert waits in `pending` for `flush`.
+        // Load is charged now; the speculative entry waits in `pending` for `flush`.
         self.load.add(&routed);
         let hashes = routed.blocks.clone();
-        self.pending
-            .push((pick.id, prefill, hashes.clone(), now_ms));
+        self.pending.push((
+            id,
+            Pending {
+                worker: pick.id,
+                prefill,
+                hashes: hashes.clone(),
+                at_ms: now_ms,
+            },
+        ));
         let event = Event::Routed(routed);
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
@@ -384,15 +420,28 @@ impl Router {
         }
     }
 
-    /// Index inserts of local decisions wait here so they run after the request is on its
-    /// way (the filter calls `flush` from a callback of its own); anything routed before
-    /// that flushes first, so no decision ever misses an earlier one.
+    /// Speculative entries of local decisions wait here so they are made after the request
+    /// is on its way (the filter calls `flush` from a callback of its own); anything routed
+    /// or confirmed before that flushes first, so no decision ever misses an earlier one.
     pub fn flush(&mut self) -> usize {
         let jobs = core::mem::take(&mut self.pending);
-        for (w, p, hashes, at) in &jobs {
-            self.record_prefix(*w, *p, hashes, *at);
+        let n = jobs.len();
+        for (id, p) in jobs {
+            self.speculative.add(id, p);
         }
-        jobs.len()
+        n
+    }
+
+    /// Leading blocks of `hashes` each worker holds or is about to hold (confirmed index
+    /// entries, continued by those of requests still unanswered).
+    pub fn held_blocks(&self, hashes: &[u64], now_ms: u64, out: &mut [u32]) {
+        self.index.lookup(hashes, now_ms, out);
+        self.speculative.extend(hashes, out);
+    }
+
+    /// Unconfirmed requests (speculative index entries).
+    pub fn speculative_requests(&self) -> usize {
+        self.speculative.len() + self.pending.len()
     }
 
     /// Applies an event, local or replicated from another thread.
@@ -400,13 +449,31 @@ impl Router {
         match e {
             Event::Routed(r) => {
                 self.load.add(r);
-                self.record_prefix(r.worker, r.prefill_worker, &r.blocks, r.now_ms);
+                self.speculative.add(
+                    r.id,
+                    Pending {
+                        worker: r.worker,
+                        prefill: r.prefill_worker,
+                        hashes: r.blocks.clone(),
+                        at_ms: r.now_ms,
+                    },
+                );
             }
             Event::PrefillDone { id } => {
                 self.load.prefill_done(*id);
             }
+            Event::Confirmed { id } => {
+                self.flush();
+                if let Some(p) = self.speculative.take(*id) {
+                    self.record_prefix(p.worker, p.prefill, &p.hashes, p.at_ms);
+                }
+            }
             Event::Free { id } => {
                 self.load.free(*id);
+                // Ended without a successful first byte (rejected, aborted, failed): the
+                // engine cached nothing we can count on.
+                self.flush();
+                self.speculative.take(*id);
             }
             Event::Report { worker, report } => self.load.report(*worker, *report),
             Event::Failed { worker, at_ms } => {
@@ -424,11 +491,18 @@ impl Router {
         let _ = now_ms;
     }
 
-    /// First response byte: the prompt has been computed.
-    pub fn on_first_byte(&mut self, d: &Decision, now_ms: u64) -> Event {
-        let e = Event::PrefillDone { id: d.id };
-        self.apply(&e, now_ms);
-        e
+    /// First response byte: the prompt has been computed. `success` (a 2xx answer) also
+    /// confirms the request's index entries; any other answer leaves them speculative until
+    /// the request ends and drops them.
+    pub fn on_first_byte(&mut self, d: &Decision, success: bool, now_ms: u64) -> Vec<Event> {
+        let mut out = vec![Event::PrefillDone { id: d.id }];
+        if success && !d.hashes.is_empty() {
+            out.push(Event::Confirmed { id: d.id });
+        }
+        for e in &out {
+            self.apply(e, now_ms);
+        }
+        out
     }
 
     /// The request is over (success or not): release its load.
@@ -438,23 +512,15 @@ impl Router {
         e
     }
 
-    /// A worker answered 5xx / 429 or could not be reached: cool it down and forget the
-    /// blocks this request was predicted to add there (they were never computed).
-    pub fn on_failure(&mut self, d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
-        self.flush();
-        let mut out = vec![Event::Failed {
+    /// A worker failed (its own 5xx, refused, reset, timeout): cool it down. The request's
+    /// blocks were never confirmed, so they leave with its `Free`; nothing is forgotten from
+    /// the index, where other requests' confirmed blocks on that worker live (`Forget` is
+    /// still applied when a peer of an older build sends it).
+    pub fn on_failure(&mut self, _d: &Decision, worker: WorkerId, now_ms: u64) -> Vec<Event> {
+        let out = vec![Event::Failed {
             worker,
             at_ms: now_ms,
         }];
-        let held = (f64::from(d.overlap_tokens) / self.tokens_per_block(d)).floor() as usize;
-        if let Some(new) = d.hashes.get(held..).filter(|h| !h.is_empty()) {
-            for w in [Some(d.decode), d.prefill].into_iter().flatten() {
-                out.push(Event::Forget {
-                    worker: w,
-                    hashes: new.to_vec(),
-                });
-            }
-        }
         for e in &out {
             self.apply(e, now_ms);
         }
@@ -524,19 +590,13 @@ impl Router {
         (out, ev)
     }
 
-    fn tokens_per_block(&self, d: &Decision) -> f64 {
-        let bs = f64::from(self.cfg.block_size.max(1));
-        if d.exact_tokens {
-            bs
-        } else {
-            bs * self.cfg.chars_per_token / self.chars_per_token
-        }
-    }
-
     /// Periodic housekeeping: lost requests and stale index entries.
     pub fn tick(&mut self, now_ms: u64) -> (usize, usize) {
         self.flush();
         let lost = self.load.expire(now_ms);
+        // A confirmation or end that never arrived (lost with its VM).
+        self.speculative
+            .expire(now_ms.saturating_sub(self.cfg.load.request_ttl_ms));
         let stale = self.index.expire(now_ms, 4096);
         (lost, stale)
     }
@@ -613,6 +673,7 @@ mod tests {
         let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 7);
         let base = doc(1, 8000);
         let first = routed(r.route(ApiKind::Completions, &completion(&base), 0));
+        r.on_first_byte(&first, true, 5);
         r.on_finish(&first, 10);
         for i in 0..5 {
             let d = routed(r.route(
@@ -635,6 +696,7 @@ mod tests {
         let p = d.prefill.expect("disaggregated");
         assert_eq!(d.target, p);
         assert!(r.config().workers[usize::from(p)].role == Role::Prefill);
+        r.on_first_byte(&d, true, 4);
         r.on_finish(&d, 5);
         let again = routed(r.route(ApiKind::Completions, &completion(&long), 10));
         assert_eq!(again.prefill, None, "cached on the decode worker now");
@@ -688,11 +750,23 @@ mod tests {
     #[test]
     fn failure_cools_down_and_forgets_uncomputed_blocks() {
         let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
-        let text = doc(4, 8000);
+        let half = doc(4, 4000);
+        let text = format!("{half}{}", doc(40, 4000));
+        // An earlier request confirmed the first half on its worker.
+        let first = routed(r.route(ApiKind::Completions, &completion(&half), 0));
+        r.on_first_byte(&first, true, 0);
+        r.on_finish(&first, 0);
         let d = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        assert_eq!(d.decode, first.decode);
         let evs = r.on_failure(&d, d.decode, 1);
-        assert!(evs.iter().any(|e| matches!(e, Event::Forget { .. })));
+        assert_eq!(evs.len(), 1, "{evs:?}");
+        assert!(matches!(evs[0], Event::Failed { .. }));
         r.on_finish(&d, 1);
+        assert_eq!(r.speculative_requests(), 0);
+        // The confirmed half stays, the failed request's own blocks are gone.
+        let mut held = vec![0u32; 6];
+        r.held_blocks(&d.hashes, 2, &mut held);
+        assert_eq!(held[usize::from(d.decode)] as usize, first.hashes.len());
         assert!(!r.worker_view(d.decode, 2).healthy);
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 3));
         assert_ne!(again.decode, d.decode, "avoids the failed worker");
@@ -705,8 +779,9 @@ mod tests {
         let mut b = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 2, 4);
         let text = doc(5, 8000);
         let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
-        let done = a.on_first_byte(&d, 1);
-        let msg = crate::events::encode(0, &[d.event.clone(), done]);
+        let mut evs = vec![d.event.clone()];
+        evs.extend(a.on_first_byte(&d, true, 1));
+        let msg = crate::events::encode(0, &evs);
         for e in crate::events::decode(&msg).unwrap().1 {
             b.apply(&e, 1);
         }
@@ -716,6 +791,142 @@ mod tests {
         assert_eq!(db.decode, d.decode);
         assert_ne!(db.id, d.id);
         assert_eq!(b.worker_view(d.decode, 2).inflight, 2);
+    }
+
+    /// One decode worker with room for 64 blocks (1024 tokens).
+    fn small_worker() -> Router {
+        let json = r#"{"workers":[{"name":"d0","endpoint":"127.0.0.1:8001","kv_blocks":64}],
+            "disaggregation":{"threshold_tokens":0}}"#;
+        Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 3)
+    }
+
+    #[test]
+    fn rejected_requests_do_not_evict_a_warm_prefix() {
+        let mut r = small_worker();
+        let warm = doc(8, 2000); // ~31 blocks
+        let d = routed(r.route(ApiKind::Completions, &completion(&warm), 0));
+        r.on_first_byte(&d, true, 1);
+        r.on_finish(&d, 2);
+        // Four prompts over the worker's whole capacity, each answered 400 by the engine.
+        for i in 0..4u64 {
+            let big = doc(100 + i, 8000);
+            let b = routed(r.route(ApiKind::Completions, &completion(&big), 10 + i));
+            r.on_first_byte(&b, false, 11 + i);
+            r.on_finish(&b, 12 + i);
+        }
+        // A client that gave up before any answer leaves nothing either.
+        let gone = routed(r.route(ApiKind::Completions, &completion(&doc(200, 8000)), 20));
+        r.on_finish(&gone, 21);
+        assert_eq!(r.speculative_requests(), 0);
+        let again = routed(r.route(ApiKind::Completions, &completion(&warm), 30));
+        assert!(again.predicted_hit() > 0.9, "{}", again.predicted_hit());
+    }
+
+    #[test]
+    fn a_burst_sees_unconfirmed_picks_and_a_confirmed_prompt_stays() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
+        let text = doc(9, 8000);
+        let first = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        // Not answered yet: the next identical request still sees the pick.
+        let second = routed(r.route(ApiKind::Completions, &completion(&text), 1));
+        assert_eq!(r.speculative_requests(), 2);
+        let mut held = vec![0u32; 6];
+        r.flush();
+        r.held_blocks(&first.hashes, 1, &mut held);
+        let n = first.hashes.len() as u32;
+        assert_eq!(held[usize::from(first.decode)], n);
+        assert_eq!(held[usize::from(second.decode)], n);
+        r.index().lookup(&first.hashes, 1, &mut held);
+        assert_eq!(held, vec![0; 6], "nothing confirmed yet");
+        r.on_first_byte(&first, true, 2);
+        r.on_finish(&first, 3);
+        r.on_finish(&second, 3);
+        assert_eq!(r.speculative_requests(), 0);
+        let third = routed(r.route(ApiKind::Completions, &completion(&text), 4));
+        assert_eq!(third.decode, first.decode);
+        assert!(third.predicted_hit() > 0.9, "{}", third.predicted_hit());
+    }
+
+    #[test]
+    fn replicas_confirm_or_drop_speculative_entries_by_event() {
+        let cfg0 = r#","disaggregation":{"threshold_tokens":0}"#;
+        let mut a = Router::new(cfg(cfg0), 1, 3);
+        let mut b = Router::new(cfg(cfg0), 2, 4);
+        let ok = doc(10, 8000);
+        let bad = doc(11, 8000);
+        let d_ok = routed(a.route(ApiKind::Completions, &completion(&ok), 0));
+        let d_bad = routed(a.route(ApiKind::Completions, &completion(&bad), 0));
+        let mut evs = vec![d_ok.event.clone(), d_bad.event.clone()];
+        evs.extend(a.on_first_byte(&d_ok, true, 1));
+        evs.extend(a.on_first_byte(&d_bad, false, 1));
+        assert!(evs.contains(&Event::Confirmed { id: d_ok.id }));
+        assert!(!evs.contains(&Event::Confirmed { id: d_bad.id }));
+        evs.push(a.on_finish(&d_ok, 2));
+        evs.push(a.on_finish(&d_bad, 2));
+        let msg = crate::events::encode(0, &evs);
+        for e in crate::events::decode(&msg).unwrap().1 {
+            b.apply(&e, 2);
+        }
+        assert_eq!(b.speculative_requests(), 0);
+        let mut held = vec![0u32; 6];
+        for (text, want) in [(&ok, true), (&bad, false)] {
+            let body = completion(text);
+            let req = parse(ApiKind::Completions, &body).unwrap();
+            let ph = crate::hashing::prompt_hashes(&req, &HashParams::from_config(b.config()));
+            b.index().lookup(&ph.blocks, 3, &mut held);
+            assert_eq!(held.iter().any(|&n| n > 0), want);
+        }
+    }
+
+    #[test]
+    fn request_ids_stay_distinct_past_65536_vm_creations() {
+        let body = completion("hello");
+        let ids: Vec<RequestId> = [1u64, 1 + (1 << 16), 1 + (1 << 20), u64::from(u32::MAX)]
+            .iter()
+            .map(|&origin| {
+                let mut r = Router::new(cfg(""), origin, 3);
+                routed(r.route(ApiKind::Completions, &body, 0)).id
+            })
+            .collect();
+        let mut uniq = ids.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        assert_eq!(uniq.len(), ids.len(), "{ids:x?}");
+    }
+
+    #[test]
+    fn limits_bound_what_one_request_costs() {
+        let extra = r#","disaggregation":{"threshold_tokens":0},"limits":{"max_route_bytes":20000,"max_blocks":10}"#;
+        let mut r = Router::new(cfg(extra), 1, 3);
+        // Over max_route_bytes: not parsed, counted as its own fallback, still load.
+        let d = routed(r.route(ApiKind::Completions, &completion(&doc(12, 30_000)), 0));
+        assert_eq!(d.fallback, Some(Fallback::TooLarge));
+        assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("too_large"));
+        assert!(d.hashes.is_empty());
+        assert_eq!(r.worker_view(d.target, 0).inflight, 1);
+        r.on_finish(&d, 1);
+        // Within it but over max_blocks: only the leading blocks are hashed and replicated,
+        // the token estimate still covers the whole prompt, and the prefix keeps its affinity.
+        let text = doc(13, 16_000); // ~250 blocks of 64 bytes
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 2));
+        assert_eq!(d.fallback, None);
+        assert_eq!(d.hashes.len(), 10);
+        assert!(d.prompt_tokens > 3000, "{}", d.prompt_tokens);
+        let Event::Routed(ev) = &d.event else {
+            panic!("not routed")
+        };
+        assert_eq!(ev.blocks.len(), 10);
+        r.on_first_byte(&d, true, 3);
+        r.on_finish(&d, 4);
+        let again = routed(r.route(
+            ApiKind::Completions,
+            &completion(&format!("{text} and more")),
+            5,
+        ));
+        assert_eq!(again.decode, d.decode);
+        assert_eq!(again.overlap_tokens, 10 * 16);
+        assert!(Config::from_json(br#"{"limits":{"max_blocks":0}}"#).is_err());
+        assert_eq!(Config::default().limits.max_route_bytes, 8 << 20);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct Http {
     routed: bool,
     decision: Option<Decision>,
     saw_response: bool,
+    /// The response status was 2xx (its body confirms the request's index entries).
+    success: bool,
     first_byte: bool,
     finished: bool,
     tail: UsageTail,
@@ -37,6 +39,7 @@ impl Http {
             routed: false,
             decision: None,
             saw_response: false,
+            success: false,
             first_byte: false,
             finished: false,
             tail: UsageTail::default(),
@@ -99,6 +102,20 @@ impl Http {
         }
     }
 
+    /// The buffered request body, at most `limits.max_route_bytes + 1` bytes of it: a body
+    /// over the limit is routed as `too_large` and the rest is never copied into the VM.
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        let limit = self
+            .with(|s| s.router.config().limits.max_route_bytes as usize)
+            .unwrap_or(usize::MAX);
+        self.host
+            .buffer(
+                BufferType::HttpRequestBody,
+                size.min(limit.saturating_add(1)),
+            )
+            .unwrap_or_default()
+    }
+
     fn finish(&mut self) {
         if self.finished {
             return;
@@ -143,6 +160,7 @@ fn record_decision(s: &State, d: &Decision) {
                 Fallback::Parse(_) => m.fallback_parse.inc(),
                 Fallback::UnknownModel(_) => m.fallback_model.inc(),
                 Fallback::NoCandidates => m.fallback_no_candidates.inc(),
+                Fallback::TooLarge => m.fallback_too_large.inc(),
             }
         }
         None => {
@@ -211,10 +229,7 @@ impl HttpContext for Http {
             // Envoy buffers until the end of the body.
             return Action::Pause;
         }
-        let body = self
-            .host
-            .buffer(BufferType::HttpRequestBody, body_size)
-            .unwrap_or_default();
+        let body = self.request_body(body_size);
         self.route(&body)
     }
 
@@ -222,10 +237,7 @@ impl HttpContext for Http {
         if self.kind.is_none() || self.routed {
             return Action::Continue;
         }
-        let body = self
-            .host
-            .buffer(BufferType::HttpRequestBody, usize::MAX)
-            .unwrap_or_default();
+        let body = self.request_body(usize::MAX);
         self.route(&body)
     }
 
@@ -250,7 +262,8 @@ impl HttpContext for Http {
             let mut evs: Vec<Event> = Vec::new();
             let same_host =
                 feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
-            match feedback::classify(Some(status), attempts, same_host, details.as_deref()) {
+            let outcome = feedback::classify(Some(status), attempts, same_host, details.as_deref());
+            match outcome {
                 Outcome::Failure => record_failure(s, &d, now, &mut evs),
                 Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
                 Outcome::Neutral | Outcome::ClientGone => {}
@@ -260,11 +273,18 @@ impl HttpContext for Http {
                 evs.push(s.router.on_orca(d.target, &load, now));
             }
             s.broadcast(&evs);
-            s.router
+            let debug = s
+                .router
                 .config()
                 .debug_headers
-                .then(|| steer::debug_headers(&s.router, &d))
+                .then(|| steer::debug_headers(&s.router, &d));
+            (outcome, debug)
         });
+        // A 2xx that Envoy had to get from elsewhere (a retry, a failover host) does not
+        // prove the chosen worker computed the prompt.
+        let outcome = debug.as_ref().map(|(o, _)| *o);
+        self.success = (200..300).contains(&status) && outcome != Some(Outcome::Failure);
+        let debug = debug.map(|(_, h)| h);
         if let Some(Some(headers)) = debug {
             if let Some(f) = &d.fallback {
                 host.log(
@@ -287,9 +307,10 @@ impl HttpContext for Http {
             if !self.first_byte {
                 self.first_byte = true;
                 let now = self.host.now_ms();
+                let success = self.success;
                 self.with(|s| {
-                    let e = s.router.on_first_byte(&d, now);
-                    s.broadcast(&[e]);
+                    let evs = s.router.on_first_byte(&d, success, now);
+                    s.broadcast(&evs);
                 });
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.

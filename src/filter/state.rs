@@ -98,9 +98,11 @@ impl State {
             ),
         );
         let intercept = Intercept::from_config(&cfg);
+        // The tables' hash key comes from the clock, never from a configured seed.
+        let hash_key = host.now_ns().rotate_left(17) ^ origin;
         State {
             host,
-            router: Router::new(cfg, origin, seed),
+            router: Router::with_hash_key(cfg, origin, seed, hash_key),
             metrics,
             intercept,
             bus,
@@ -191,8 +193,21 @@ impl State {
     fn apply_message(&mut self, msg: &[u8]) {
         let now = self.host.now_ms();
         {
-            match events::decode(msg) {
-                Ok((sent_ns, evs)) => {
+            match events::decode_counted(msg) {
+                Ok(events::Decoded {
+                    sent_ns,
+                    events: evs,
+                    skipped,
+                    first_error,
+                }) => {
+                    if let Some(e) = first_error {
+                        // The readable events of the message still apply.
+                        self.metrics.repl_errors.add(u64::from(skipped));
+                        self.host.log(
+                            LogLevel::Warn,
+                            &format!("kvroute: skipped {skipped} replication event(s): {e}"),
+                        );
+                    }
                     self.metrics.repl_received.add(evs.len() as u64);
                     self.metrics
                         .repl_delay_us

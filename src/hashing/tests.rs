@@ -519,7 +519,7 @@ mod props {
         ) {
             let mut at: Vec<usize> = cuts.iter().map(|i| i.index(data.len() + 1)).collect();
             at.sort_unstable();
-            let mut chain = Chain::new(s, block, 0);
+            let mut chain = Chain::new(s, block, 0, usize::MAX);
             let mut start = 0;
             for &end in &at {
                 chain.put(&data[start..end]);
@@ -527,7 +527,7 @@ mod props {
             }
             chain.put(&data[start..]);
             prop_assert_eq!(chain.fed, data.len());
-            let mut whole = Chain::new(s, block, 0);
+            let mut whole = Chain::new(s, block, 0, usize::MAX);
             whole.put(&data);
             let streamed = chain.into_blocks();
             prop_assert_eq!(&streamed, &whole.into_blocks());

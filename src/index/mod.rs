@@ -48,9 +48,12 @@
 mod blocks;
 mod holders;
 mod lru;
+mod speculative;
 mod table;
 
-use crate::ids::{mix, WorkerId, MAX_WORKERS};
+pub use speculative::{Pending, Speculative};
+
+use crate::ids::{keyed_mix, WorkerId, MAX_WORKERS};
 use blocks::{Block, Pages, BLOCK_PAGE, FREE, FREE_BLOCK, NIL};
 use holders::{any, bit_set, Bits, OverflowPool};
 use lru::{Worker, LOCAL_LIMIT};
@@ -86,11 +89,18 @@ pub struct PrefixIndex {
     clock: u64,
     /// Next worker `expire` looks at, so bounded calls make progress over all workers.
     expire_cursor: usize,
+    /// Secret key of the table hashing (`keyed_mix`): crafted prompts cannot pile up.
+    key: u64,
 }
 
 impl PrefixIndex {
     /// `ttl_ms`: entries not touched for longer are misses. Clamped to `MAX_TTL_MS`.
     pub fn new(ttl_ms: u64) -> Self {
+        Self::with_key(ttl_ms, 0)
+    }
+
+    /// `new` with the table hashed under a secret `key` (the filter supplies one per VM).
+    pub fn with_key(ttl_ms: u64, key: u64) -> Self {
         PrefixIndex {
             table: SlotTable::new(),
             blocks: Pages::new(),
@@ -104,6 +114,7 @@ impl PrefixIndex {
             epoch: 0,
             clock: 0,
             expire_cursor: 0,
+            key,
         }
     }
 
@@ -118,13 +129,21 @@ impl PrefixIndex {
         self.evict_to(wi, blocks.min(MAX_CAPACITY));
     }
 
+    /// Table probes that gave up at the probe bound (a flood of colliding blocks: those
+    /// blocks are not indexed).
+    pub fn probes_given_up(&self) -> u64 {
+        self.table.probes_given_up()
+    }
+
     /// Pre-size the hash table for `blocks` distinct blocks. Growing it later rehashes every
     /// entry inside one `insert` (tens of ms at 1M blocks), so a filter should reserve its
     /// expected size at configuration time.
     pub fn reserve(&mut self, blocks: usize) {
         let table_blocks = &self.blocks;
-        self.table
-            .reserve(blocks, |b| table_blocks.get(b).map_or(0, |x| mix(x.hash)));
+        let key = self.key;
+        self.table.reserve(blocks, |b| {
+            table_blocks.get(b).map_or(0, |x| keyed_mix(x.hash, key))
+        });
     }
 
     /// Number of leading blocks of `hashes` each worker holds: out[w] for w < out.len().
@@ -195,6 +214,9 @@ impl PrefixIndex {
         if cap == 0 || hashes.is_empty() {
             return;
         }
+        // The worker cannot hold more than its capacity, and a prompt longer than that must
+        // not flush its whole LRU: only the leading `cap` blocks (the reusable part) count.
+        let hashes = hashes.get(..cap as usize).unwrap_or(hashes);
         let stamp = self.stamp_for(now_ms);
         let mut cursor = Cursor::new(1);
         // A hash that is not next to the previous block is likely new: load what it and the
@@ -311,7 +333,7 @@ impl PrefixIndex {
             if self.predict(h, &mut c).is_none() {
                 c.fresh = true;
                 if let Some(m) = ms.get_mut(n) {
-                    *m = mix(h);
+                    *m = keyed_mix(h, self.key);
                     n += 1;
                 }
             }
@@ -343,10 +365,9 @@ impl PrefixIndex {
             acc ^= self.blocks.get(b).map_or(0, |x| x.hash);
         }
         for &b in ids.iter().take(e) {
-            acc ^= self
-                .blocks
-                .get(b)
-                .map_or(0, |x| u64::from(self.table.warm(mix(x.hash))));
+            acc ^= self.blocks.get(b).map_or(0, |x| {
+                u64::from(self.table.warm(keyed_mix(x.hash, self.key)))
+            });
         }
         core::hint::black_box(acc);
     }
@@ -479,9 +500,9 @@ impl PrefixIndex {
             return Some(b);
         }
         let blocks = &self.blocks;
-        let b = self
-            .table
-            .find(mix(h), |b| blocks.get(b).is_some_and(|x| x.hash == h))?;
+        let b = self.table.find(keyed_mix(h, self.key), |b| {
+            blocks.get(b).is_some_and(|x| x.hash == h)
+        })?;
         cursor.prev = b;
         cursor.fresh = false;
         Some(b)
@@ -521,11 +542,12 @@ impl PrefixIndex {
             return self.locate(h, cursor).map(|b| (b, false));
         };
         let blocks = &self.blocks;
+        let key = self.key;
         let probe = self.table.find_or_insert(
-            mix(h),
+            keyed_mix(h, key),
             next,
             |b| blocks.get(b).is_some_and(|x| x.hash == h),
-            |b| blocks.get(b).map_or(0, |x| mix(x.hash)),
+            |b| blocks.get(b).map_or(0, |x| keyed_mix(x.hash, key)),
         );
         match probe {
             Probe::Found(b) => {
@@ -557,7 +579,7 @@ impl PrefixIndex {
         if blk.is_free() {
             return;
         }
-        self.table.remove(mix(blk.hash), b);
+        self.table.remove(keyed_mix(blk.hash, self.key), b);
         let free = self.blocks_free;
         if let Some(blk) = self.blocks.get_mut(b) {
             *blk = Block {

@@ -8,6 +8,11 @@
 
 /// Slots per table line: 12 tags + a spill count + 12 values fill one 64-byte cache line.
 const LINE_SLOTS: usize = 12;
+/// Lines a probe may walk from a key's home line. A key is never stored further, so finding
+/// it needs no more; under a secret hash key an honest table at 7/8 load gets nowhere near
+/// this, and a flood of colliding keys gives up here (counted) instead of making every probe
+/// of that line walk the table.
+pub(super) const MAX_PROBE_LINES: usize = 128;
 /// Table lines per key that `warm_probe` reads.
 const WARM_LINES: usize = 3;
 /// 0x01 in each byte.
@@ -128,6 +133,9 @@ pub(super) enum Probe {
 pub(super) struct SlotTable {
     lines: Vec<Line>,
     len: usize,
+    /// Probes that gave up at `MAX_PROBE_LINES` (an insert refused, or a value lost in a
+    /// rebuild; a find that stops there finds nothing that could be stored further).
+    gave_up: core::cell::Cell<u64>,
 }
 
 impl SlotTable {
@@ -135,7 +143,22 @@ impl SlotTable {
         SlotTable {
             lines: Vec::new(),
             len: 0,
+            gave_up: core::cell::Cell::new(0),
         }
+    }
+
+    pub(super) fn probes_given_up(&self) -> u64 {
+        self.gave_up.get()
+    }
+
+    fn give_up(&self) {
+        self.gave_up.set(self.gave_up.get().saturating_add(1));
+    }
+
+    /// Lines a probe walks at most.
+    #[inline]
+    fn probe_limit(&self) -> usize {
+        self.lines.len().min(MAX_PROBE_LINES)
     }
 
     pub(super) fn len(&self) -> usize {
@@ -207,7 +230,7 @@ impl SlotTable {
     pub(super) fn find(&self, m: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
         let t = tag_of(m);
         let mut i = self.home(m);
-        for _ in 0..self.lines.len() {
+        for _ in 0..self.probe_limit() {
             let line = self.lines.get(i)?;
             for j in line.hits(t) {
                 if let Some(&v) = line.vals.get(j) {
@@ -234,7 +257,7 @@ impl SlotTable {
         rehash: impl Fn(u32) -> u64,
     ) -> Probe {
         let t = tag_of(m);
-        let n = self.lines.len();
+        let n = self.probe_limit();
         let home = self.home(m);
         let mut i = home;
         let mut steps = 0usize;
@@ -260,7 +283,7 @@ impl SlotTable {
             }
             i = self.next(i);
         }
-        let grow = (self.len + 1) * 8 > n * LINE_SLOTS * 7;
+        let grow = (self.len + 1) * 8 > self.lines.len() * LINE_SLOTS * 7;
         let Some((at, j, steps)) = vacant.filter(|_| !grow) else {
             // Growing, or no empty slot before the end of the key's probe: the slow way.
             return if self.insert(m, v, rehash) {
@@ -308,7 +331,8 @@ impl SlotTable {
                 break;
             }
             steps += 1;
-            if steps >= self.lines.len() {
+            if steps >= self.probe_limit() {
+                self.give_up();
                 return false;
             }
             i = self.next(i);
@@ -339,7 +363,7 @@ impl SlotTable {
                 return None;
             }
             steps += 1;
-            if steps >= self.lines.len() {
+            if steps >= self.lines.len().min(MAX_PROBE_LINES) {
                 return None;
             }
             i = self.next(i);

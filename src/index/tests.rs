@@ -4,6 +4,7 @@
 use super::blocks::SPILLED;
 use super::lru::{local_of, worker_of};
 use super::*;
+use crate::ids::mix;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -322,6 +323,7 @@ fn memory_estimate_is_sane() {
             ix.insert((c % 16 + 1) as u16, &hashes, T0);
         }
     }
+    assert_eq!(ix.probes_given_up(), 0);
     assert_eq!(ix.blocks(), n as usize);
     let per_block = ix.memory_bytes() as f64 / n as f64;
     // Lower bound: 24-byte block + 1.5 x 12-byte nodes; upper bound: the 64-byte target.
@@ -383,6 +385,7 @@ mod props {
         }
 
         fn insert(&mut self, w: usize, hashes: &[u64], now: u64) {
+            let hashes = &hashes[..hashes.len().min(self.caps[w] as usize)];
             for &h in hashes.iter().rev() {
                 let l = &mut self.lru[w];
                 if let Some(p) = l.iter().position(|&(x, _)| x == h) {
@@ -483,4 +486,86 @@ mod props {
             prop_assert_eq!(ix.blocks(), distinct.len());
         }
     }
+}
+
+/// Inverse of `mix` (xorshift and odd multiply are bijections), to craft hashes that land
+/// where an attacker wants.
+fn unmix(y: u64) -> u64 {
+    fn unshift(y: u64, s: u32) -> u64 {
+        let mut x = y;
+        for _ in 0..64 / s + 1 {
+            x = y ^ (x >> s);
+        }
+        x
+    }
+    let c: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut inv = c;
+    for _ in 0..6 {
+        inv = inv.wrapping_mul(2u64.wrapping_sub(c.wrapping_mul(inv)));
+    }
+    unshift(unshift(y, 29).wrapping_mul(inv), 31)
+}
+
+/// Block hashes whose mixed value (under `key`, or the public `mix` when None) shares its
+/// top 24 bits: one home line in any table of up to 16M lines.
+fn colliding(n: u64, key: Option<u64>) -> Vec<u64> {
+    (0..n)
+        .map(|i| {
+            let m = 0xABCD_EF00_0000_0000 | (i + 1) << 8 | (i % 255 + 1);
+            match key {
+                None => unmix(m),
+                Some(k) => unmix(unmix(m) ^ k.rotate_left(32)) ^ k,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn crafted_collisions_for_the_public_mix_spread_under_a_key() {
+    let key = 0x1234_5678_9abc_def1;
+    let hashes = colliding(4096, None);
+    assert!(hashes.iter().all(|&h| mix(h) >> 40 == 0xAB_CDEF));
+    let mut homes: Vec<u64> = hashes.iter().map(|&h| keyed_mix(h, key) >> 48).collect();
+    homes.sort_unstable();
+    homes.dedup();
+    assert!(homes.len() > 3900, "{} distinct homes of 4096", homes.len());
+    let mut ix = PrefixIndex::with_key(60_000, key);
+    ix.reserve(8192);
+    ix.insert(0, &hashes, T0);
+    assert_eq!(ix.probes_given_up(), 0);
+    assert_eq!(look(&ix, &hashes, T0, 1), vec![4096]);
+    ix.check();
+}
+
+#[test]
+fn probes_are_bounded_when_the_key_is_known() {
+    let key = 77;
+    let flood = colliding(2000, Some(key));
+    assert!(flood.iter().all(|&h| keyed_mix(h, key) >> 40 == 0xAB_CDEF));
+    let mut ix = PrefixIndex::with_key(60_000, key);
+    ix.reserve(8192);
+    ix.insert(0, &flood, T0);
+    // With the key known, the flood fills at most MAX_PROBE_LINES lines past its home line;
+    // the rest gives up at once (counted) instead of walking the table.
+    let held = ix.entries(0);
+    assert!(held <= table::MAX_PROBE_LINES * 12, "{held}");
+    assert!(held >= 12, "{held}");
+    assert!(ix.probes_given_up() >= (2000 - held) as u64);
+    // The blocks that did go in are found; an honest prompt is unaffected.
+    let found = flood
+        .iter()
+        .filter(|&&h| look(&ix, &[h], T0, 1) == vec![1])
+        .count();
+    assert_eq!(found, held);
+    assert!(held < 2000);
+    let honest: Vec<u64> = (1..=500).map(|i| i * 7919).collect();
+    // Keys homed at the start of the flooded run of lines are refused too (a few); the
+    // rest of an honest prompt is indexed.
+    ix.insert(1, &honest, T0);
+    let found = honest
+        .iter()
+        .filter(|&&h| look(&ix, &[h], T0, 2) == vec![0, 1])
+        .count();
+    assert!(found >= 490, "{found} of 500");
+    ix.check();
 }

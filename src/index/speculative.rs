@@ -1,0 +1,190 @@
+//! Prompts routed but not yet confirmed: what a request is expected to leave in a worker's
+//! KV cache, kept apart from the `PrefixIndex` until a successful first response byte proves
+//! the engine computed it.
+//!
+//! Lookups still see these entries, so a burst of identical requests sees each other's picks
+//! (no herding onto the same cold worker). But nothing here evicts anything: a request the
+//! engine rejects (400 for an oversize prompt, a client abort before the answer) is simply
+//! dropped and leaves the warm prefixes of its worker untouched.
+
+use crate::ids::{KeyedState, RequestId, WorkerId};
+use hashbrown::hash_map::Entry;
+use hashbrown::HashMap;
+
+/// One request's expected blocks and where they go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pending {
+    pub worker: WorkerId,
+    pub prefill: Option<WorkerId>,
+    pub hashes: Vec<u64>,
+    pub at_ms: u64,
+}
+
+/// Unconfirmed requests and, per (block, worker), how many of them expect it.
+#[derive(Debug, Default)]
+pub struct Speculative {
+    reqs: HashMap<RequestId, Pending, KeyedState>,
+    /// Keyed by `slot(block, worker)`.
+    held: HashMap<u64, u32, KeyedState>,
+}
+
+impl Speculative {
+    /// Maps hashed under the secret `key` (see `keyed_mix`).
+    pub fn new(key: u64) -> Self {
+        Speculative {
+            reqs: HashMap::with_hasher(KeyedState(key)),
+            held: HashMap::with_hasher(KeyedState(key)),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Records request `id`; a second `add` for the same id replaces nothing (replicas may see
+    /// a decision twice only through a bug, and must not double-count it).
+    pub fn add(&mut self, id: RequestId, p: Pending) {
+        if p.hashes.is_empty() || self.reqs.contains_key(&id) {
+            return;
+        }
+        for w in workers(&p) {
+            for &h in &p.hashes {
+                *self.held.entry(slot(h, w)).or_insert(0) += 1;
+            }
+        }
+        self.reqs.insert(id, p);
+    }
+
+    /// Removes request `id` and returns it (to insert into the index when confirmed).
+    pub fn take(&mut self, id: RequestId) -> Option<Pending> {
+        let p = self.reqs.remove(&id)?;
+        for w in workers(&p) {
+            for &h in &p.hashes {
+                if let Entry::Occupied(mut e) = self.held.entry(slot(h, w)) {
+                    if *e.get() <= 1 {
+                        e.remove();
+                    } else {
+                        *e.get_mut() -= 1;
+                    }
+                }
+            }
+        }
+        if self.reqs.is_empty() {
+            // Every count is back to 0; drop a large allocation left by a huge prompt.
+            self.held.clear();
+            if self.held.capacity() > 4096 {
+                self.held.shrink_to_fit();
+            }
+        }
+        Some(p)
+    }
+
+    /// Extends each worker's leading run `out[w]` (from the index) through blocks that
+    /// unconfirmed requests expect on that worker.
+    pub fn extend(&self, hashes: &[u64], out: &mut [u32]) {
+        if self.held.is_empty() {
+            return;
+        }
+        for (w, run) in out.iter_mut().enumerate() {
+            let Ok(wid) = WorkerId::try_from(w) else {
+                break;
+            };
+            let mut k = *run as usize;
+            while let Some(&h) = hashes.get(k) {
+                if !self.held.contains_key(&slot(h, wid)) {
+                    break;
+                }
+                k += 1;
+            }
+            *run = u32::try_from(k).unwrap_or(u32::MAX);
+        }
+    }
+
+    /// Drops requests picked at or before `before_ms` (their confirmation or end was lost);
+    /// returns how many.
+    pub fn expire(&mut self, before_ms: u64) -> usize {
+        let old: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|(_, p)| p.at_ms <= before_ms)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &old {
+            self.take(*id);
+        }
+        old.len()
+    }
+}
+
+/// One u64 per (block, worker): the block hash (xxh3 output, not chosen by clients) moved by
+/// a per-worker odd constant. Two pairs share a key only if their hashes differ by exactly
+/// the difference of those constants: a 2^-64 accident, as for block hashes themselves.
+#[inline]
+fn slot(h: u64, w: WorkerId) -> u64 {
+    h ^ (u64::from(w) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+fn workers(p: &Pending) -> impl Iterator<Item = WorkerId> {
+    let second = p.prefill.filter(|&x| x != p.worker);
+    core::iter::once(p.worker).chain(second)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(worker: WorkerId, hashes: &[u64], at_ms: u64) -> Pending {
+        Pending {
+            worker,
+            prefill: None,
+            hashes: hashes.to_vec(),
+            at_ms,
+        }
+    }
+
+    #[test]
+    fn extends_runs_and_forgets_on_take() {
+        let mut s = Speculative::default();
+        s.add(1, pending(1, &[10, 11, 12], 5));
+        s.add(2, pending(1, &[10, 11], 6));
+        let mut out = [0u32, 0, 0];
+        s.extend(&[10, 11, 12, 13], &mut out);
+        assert_eq!(out, [0, 3, 0]);
+        // The index already had 1 block for worker 0 and 2 for worker 2: runs stay theirs
+        // unless the speculative blocks continue them.
+        let mut out = [1u32, 2, 2];
+        s.extend(&[10, 11, 12, 13], &mut out);
+        assert_eq!(out, [1, 3, 2]);
+        assert!(s.take(1).is_some());
+        let mut out = [0u32; 3];
+        s.extend(&[10, 11, 12], &mut out);
+        assert_eq!(out, [0, 2, 0]);
+        assert_eq!(s.take(1), None);
+        assert_eq!(s.expire(6), 1);
+        assert!(s.is_empty());
+        let mut out = [0u32; 3];
+        s.extend(&[10], &mut out);
+        assert_eq!(out, [0, 0, 0]);
+    }
+
+    #[test]
+    fn prefill_worker_counts_too_and_duplicates_are_ignored() {
+        let mut s = Speculative::default();
+        let mut p = pending(0, &[7, 8], 1);
+        p.prefill = Some(2);
+        s.add(9, p.clone());
+        s.add(9, p);
+        let mut out = [0u32; 3];
+        s.extend(&[7, 8], &mut out);
+        assert_eq!(out, [2, 0, 2]);
+        s.take(9);
+        let mut out = [0u32; 3];
+        s.extend(&[7, 8], &mut out);
+        assert_eq!(out, [0, 0, 0]);
+        assert_eq!(s.len(), 0);
+    }
+}
