@@ -90,23 +90,35 @@ MALFORMED = {
 
 
 def events() -> None:
-    def routed(i, worker, pw, hashes):
-        return (b"\x01" + struct.pack("<QQHHIII", i, 1_700_000_000_000 + i, worker, pw, 2, 3, 900)
+    # Version 2 (what kvroute sends): each event is its tag, a u32 body length, the body.
+    # Version 1 (unframed, still read): tag then body, back to back.
+    def ev(tag, body, framed=True):
+        return bytes([tag]) + (struct.pack("<I", len(body)) if framed else b"") + body
+
+    def routed_body(i, worker, pw, hashes):
+        return (struct.pack("<QQHHIII", i, 1_700_000_000_000 + i, worker, pw, 2, 3, 900)
                 + struct.pack("<I", len(hashes)) + b"".join(struct.pack("<Q", h) for h in hashes))
 
-    head = lambda ns: b"\x01" + struct.pack("<Q", ns)
+    def head(ns, version=2):
+        return bytes([version]) + struct.pack("<Q", ns)
+
     hashes = [0x9E3779B97F4A7C15 * (k + 1) % 2**64 for k in range(12)]
-    write("events", "routed", head(123456789) + routed(1 << 32 | 7, 2, 0xFFFF, hashes))
-    write("events", "routed_prefill", head(5) + routed(9, 0, 4, hashes[:3]))
-    write("events", "lifecycle", head(1) + b"\x02" + struct.pack("<Q", 9) + b"\x03" + struct.pack("<Q", 9))
-    write("events", "report", head(2) + b"\x04" + struct.pack("<HfIIQ", 1, 0.42, 3, 0xFFFFFFFF, 77)
-          + b"\x04" + struct.pack("<HfIIQ", 0, 1.0, 0, 5, 78))
-    write("events", "health", head(3) + b"\x05" + struct.pack("<HQ", 3, 1000) + b"\x06" + struct.pack("<H", 3))
-    write("events", "forget_calibrate", head(4) + b"\x07" + struct.pack("<HI", 1, 2)
-          + struct.pack("<QQ", 11, 22) + b"\x08" + struct.pack("<d", 3.7))
+    write("events", "routed", head(123456789) + ev(1, routed_body(1 << 32 | 7, 2, 0xFFFF, hashes)))
+    write("events", "routed_prefill", head(5) + ev(1, routed_body(9, 0, 4, hashes[:3])))
+    write("events", "lifecycle", head(1) + ev(2, struct.pack("<Q", 9)) + ev(9, struct.pack("<Q", 9))
+          + ev(3, struct.pack("<Q", 9)))
+    write("events", "report", head(2) + ev(4, struct.pack("<HfIIQ", 1, 0.42, 3, 0xFFFFFFFF, 77))
+          + ev(4, struct.pack("<HfIIQ", 0, 1.0, 0, 5, 78)))
+    write("events", "health", head(3) + ev(5, struct.pack("<HQ", 3, 1000)) + ev(6, struct.pack("<H", 3)))
+    write("events", "forget_calibrate", head(4) + ev(7, struct.pack("<HI", 1, 2) + struct.pack("<QQ", 11, 22))
+          + ev(8, struct.pack("<d", 3.7)))
     write("events", "empty_batch", head(0))
-    write("events", "truncated", head(7) + routed(1, 1, 0xFFFF, hashes)[:-5])
-    write("events", "bad_version", b"\x02" + head(0)[1:])
+    write("events", "truncated", head(7) + ev(1, routed_body(1, 1, 0xFFFF, hashes))[:-5])
+    write("events", "bad_event_skipped", head(8) + ev(2, struct.pack("<Q", 1)) + ev(200, b"??")
+          + ev(3, struct.pack("<Q", 1)))
+    write("events", "bad_version", head(0, version=3))
+    write("events", "v1_routed", head(6, version=1) + ev(1, routed_body(3, 1, 0xFFFF, hashes[:2]), framed=False)
+          + ev(3, struct.pack("<Q", 3), framed=False))
 
 
 def feedback() -> None:

@@ -473,6 +473,9 @@ pub struct Shared {
     pending: Mutex<Vec<(u64, Instant)>>,
     pending_changed: Notify,
     next_arrival: std::sync::atomic::AtomicU64,
+    /// Before any request can arrive: the engine's clock starts here, not when its task first
+    /// runs (on a loaded machine that can be after the first arrival, which would then wait).
+    created: Instant,
 }
 
 /// A request between its arrival and its submission to the engine. The engine holds back a
@@ -505,6 +508,7 @@ impl Shared {
             pending: Mutex::new(Vec::new()),
             pending_changed: Notify::new(),
             next_arrival: std::sync::atomic::AtomicU64::new(0),
+            created: Instant::now(),
         })
     }
 
@@ -570,7 +574,7 @@ const MAX_CATCH_UP: Duration = Duration::from_secs(1);
 pub async fn run(shared: Arc<Shared>) {
     let speedup = shared.cfg.speedup;
     // End of the last pass on the schedule (the engine's simulated clock).
-    let mut clock = Instant::now();
+    let mut clock = shared.created;
     loop {
         let next = shared.state.lock().unwrap().next_start(clock);
         let Some(mut start) = next else {
