@@ -541,6 +541,16 @@ impl Router {
         (lost, stale)
     }
 
+    /// Releases the requests started by replica `origin`, declared dead by replication: it
+    /// will never send their ends. Our own origin is never purged.
+    pub fn purge_origin(&mut self, origin: u64) -> usize {
+        let tag = (origin & 0xFFFF) << 48;
+        if tag == self.origin {
+            return 0;
+        }
+        self.load.free_matching(|id| id >> 48 == tag >> 48)
+    }
+
     pub fn worker_name(&self, w: WorkerId) -> &str {
         self.cfg
             .workers
