@@ -9,16 +9,13 @@ apart as `cut`. At the end no load may stay charged: the per-worker gauges infli
 prefill_tokens and active_blocks read 0 once the 250 ms tick has published them.
 """
 
+import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
-import http.client
-
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import kvstack  # noqa: E402
@@ -68,9 +65,6 @@ class Traffic:
         self.running = True
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(parallel)]
 
-    def port_of(self):
-        return self.port
-
     def _run(self, t):
         n = 0
         while self.running:
@@ -78,7 +72,7 @@ class Traffic:
             stream = self.stream_every and n % self.stream_every == 0
             prompt = self.prefixes[(t + n) % len(self.prefixes)] + f" client {t} turn {n}"
             body = completion(prompt, self.max_tokens, **({"stream": True} if stream else {}))
-            outcome = one_request(self.port_of(), body)
+            outcome = one_request(self.port, body)
             with self.lock:
                 self.outcomes[outcome] += 1
 
@@ -293,5 +287,87 @@ def test_concurrency_4():
     with Stack(fleet, kvroute=PLUGIN, speedup=10.0, concurrency=4) as s:
         out = run_for(s, 3.0, parallel=8, max_tokens=16)
         assert out["lost"] == 0 and out["cut"] == 0 and out["ok"] > 40, out
+        assert_no_stuck_load(s, [w.name for w in fleet])
+        assert_vm_never_crashed(s)
+
+
+def test_envoy_hot_restart():
+    fleet = [Worker(f"decode-{i}", role="decode") for i in (1, 2)]
+    with Stack(fleet, kvroute=PLUGIN, speedup=10.0, concurrency=2) as s:
+        restarted = []
+        out = run_for(s, 2.0, during=lambda st: restarted.append(st.hot_restart(drain_s=1, parent_shutdown_s=3)),
+                      parallel=4, max_tokens=16)
+        assert restarted[0].wait(timeout=15) is not None
+        assert s.envoy.poll() is None, "the new epoch serves"
+        assert out["lost"] == 0 and out["cut"] == 0 and out["ok"] > 20, out
+        status, headers, _ = s.post("/v1/completions", completion("after the restart"))
+        assert status == 200 and headers.get("x-kvroute-worker", "").startswith("decode-")
+        assert_no_stuck_load(s, [w.name for w in fleet])
+        assert_vm_never_crashed(s)
+
+
+def listener_from_file(stack):
+    """Moves the listener out of the bootstrap into a file Envoy watches (LDS from a path):
+    replacing the file reloads the listener in the running process, the old filter chain
+    draining for --drain-time-s while the new one serves, as a control plane would."""
+    path = os.path.join(stack.dir, "lds.json")
+
+    def change(cfg):
+        write_listeners(path, cfg["static_resources"].pop("listeners"))
+        cfg["node"] = {"id": "kvroute-e2e", "cluster": "kvroute-e2e"}
+        cfg["dynamic_resources"] = {"lds_config": {"path_config_source": {"path": path},
+                                                   "resource_api_version": "V3"}}
+        return cfg
+    return path, change
+
+
+def write_listeners(path, listeners):
+    doc = {"version_info": str(time.time()),
+           "resources": [{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener", **ls}
+                         for ls in listeners]}
+    with open(path + ".new", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".new", path)  # Envoy reloads on the move into place
+
+
+def stat(stack, name):
+    _, _, body = kvstack.request(stack.admin, "GET", f"/stats?filter=^{name}$")
+    line = body.decode().strip()
+    return int(line.rsplit(": ", 1)[1]) if line else None
+
+
+def test_config_reload_with_workers_reordered(monkeypatch):
+    fleet = [Worker(f"decode-{i}", role="decode") for i in (1, 2, 3)]
+    s = Stack(fleet, kvroute=PLUGIN, speedup=10.0, concurrency=2)
+    path, change = listener_from_file(s)
+    plain = kvstack.envoy_config
+    with_envoy(monkeypatch, change)
+    with s:
+        assert stat(s, "listener_manager.lds.update_success") == 1
+
+        def reload(st):
+            reordered = list(reversed(fleet))
+            cfg = plain(reordered, st.listen, st.admin,
+                                                   kvstack.kvroute_config(reordered, **PLUGIN))
+            write_listeners(path, cfg["static_resources"]["listeners"])
+            deadline = time.time() + 5
+            while stat(st, "listener_manager.lds.update_success") != 2 and time.time() < deadline:
+                time.sleep(0.05)
+            assert stat(st, "listener_manager.lds.update_success") == 2
+            # While the old filter chain drains, its VMs (old worker order) and the new ones
+            # tick side by side; they must not count each other as replication peers.
+            for _ in range(12):
+                time.sleep(0.25)
+                seen.append(st.stats().get("kvroute_replication_peers"))
+
+        seen = []
+        out = run_for(s, 3.0, during=reload, parallel=4, max_tokens=16)
+        assert out["lost"] == 0 and out["cut"] == 0 and out["ok"] > 20, out
+        # Peers of a VM: the other worker thread and the main thread (2), plus for up to
+        # 2 s the canary VM Envoy starts to check a new configuration. Before the generation
+        # was part of the namespace the three VMs of the old chain joined in: 6, then 5.
+        assert max(seen) <= 3 and seen[-1] == 2, f"old and new configurations replicate to each other: peers {seen}"
+        status, headers, _ = s.post("/v1/completions", completion("after the reload"))
+        assert status == 200 and headers.get("x-kvroute-worker", "").startswith("decode-")
         assert_no_stuck_load(s, [w.name for w in fleet])
         assert_vm_never_crashed(s)
