@@ -6,7 +6,10 @@
 //! heartbeat on every tick. Envoy also starts short-lived VMs (a canary that is configured
 //! and destroyed; the main thread's VM) whose queues keep accepting messages nobody reads,
 //! so senders skip members whose heartbeat is older than `stale_ms`, and a member silent for
-//! `forget_ms` is dropped from the record.
+//! `forget_ms` is dropped from the record. A peer that goes stale is reported once by
+//! `take_departed`, so the survivors release the requests it charged and will never end.
+//! The group name carries a hash of the configuration (`namespace`): worker ids are indices
+//! into the worker list, so VMs of two configurations must never exchange events.
 //!
 //! The host is behind `SharedBus`, so the protocol is tested natively with an in-memory bus.
 
