@@ -137,7 +137,7 @@ class Stack:
             wait_port(w.port, proc=w.proc)
         return self.start_envoy()
 
-    def start_envoy(self) -> "Stack":
+    def start_envoy(self, extra_args: tuple = ()) -> "Stack":
         """Only Envoy, in front of workers that are already running."""
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
         cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, self.site)
@@ -147,12 +147,24 @@ class Stack:
         log = open(os.path.join(self.dir, "envoy.log"), "wb")
         self.envoy = subprocess.Popen(
             [ENVOY, "-c", path, "--concurrency", str(self.concurrency), "-l", "info",
-             "--base-id", str(self.listen)],
+             "--base-id", str(self.listen), *extra_args],
             stdout=log, stderr=subprocess.STDOUT)
         wait_port(self.admin, proc=self.envoy)
         wait_port(self.listen, proc=self.envoy)
         self._wait_ready()
         return self
+
+    def hot_restart(self, drain_s: int = 1, parent_shutdown_s: int = 3) -> subprocess.Popen:
+        """Envoy's hot restart: a new process (next --restart-epoch, same --base-id) takes the
+        listening sockets over; the old one drains and exits after `parent_shutdown_s`. The
+        configuration is written again first, so changing `workers` or `kvroute_overrides`
+        before the call restarts with a new one. Returns the old process."""
+        old = self.envoy
+        self.epoch = getattr(self, "epoch", 0) + 1
+        os.replace(os.path.join(self.dir, "envoy.log"), os.path.join(self.dir, f"envoy.{self.epoch - 1}.log"))
+        self.start_envoy(("--restart-epoch", str(self.epoch), "--drain-time-s", str(drain_s),
+                          "--parent-shutdown-time-s", str(parent_shutdown_s)))
+        return old
 
     def _wait_ready(self, timeout: float = 20.0) -> None:
         deadline = time.time() + timeout

@@ -332,6 +332,15 @@ impl LoadTable {
         dead.len()
     }
 
+    /// Releases every request whose id matches `pred`; returns how many.
+    pub fn free_matching(&mut self, pred: impl Fn(RequestId) -> bool) -> usize {
+        let ids: Vec<RequestId> = self.active.keys().copied().filter(|id| pred(*id)).collect();
+        for id in &ids {
+            self.free(*id);
+        }
+        ids.len()
+    }
+
     pub fn report(&mut self, w: WorkerId, r: Report) {
         if let Some(wl) = self.workers.get_mut(usize::from(w)) {
             if wl.report.is_none_or(|old| old.at_ms <= r.at_ms) {

@@ -6,7 +6,10 @@
 //! heartbeat on every tick. Envoy also starts short-lived VMs (a canary that is configured
 //! and destroyed; the main thread's VM) whose queues keep accepting messages nobody reads,
 //! so senders skip members whose heartbeat is older than `stale_ms`, and a member silent for
-//! `forget_ms` is dropped from the record.
+//! `forget_ms` is dropped from the record. A peer that goes stale is reported once by
+//! `take_departed`, so the survivors release the requests it charged and will never end.
+//! The group name carries a hash of the configuration (`namespace`): worker ids are indices
+//! into the worker list, so VMs of two configurations must never exchange events.
 //!
 //! The host is behind `SharedBus`, so the protocol is tested natively with an in-memory bus.
 
@@ -58,6 +61,8 @@ pub struct Replicator {
     timing: Timing,
     /// CAS token of the membership record when `peers` was last rebuilt.
     seen_cas: Option<u32>,
+    /// Peers whose heartbeat went stale since the last `take_departed`.
+    departed: Vec<u32>,
 }
 
 /// CAS retries before giving up until the next tick (contention is a handful of VMs).
@@ -75,6 +80,7 @@ impl Replicator {
             peers: Vec::new(),
             timing,
             seen_cas: None,
+            departed: Vec::new(),
         };
         r.heartbeat(bus, now_ms);
         Some(r)
@@ -125,7 +131,14 @@ impl Replicator {
             })
             .map(|m| m.id)
             .collect();
-        self.peers.retain(|p| live.contains(&p.id));
+        let departed = &mut self.departed;
+        self.peers.retain(|p| {
+            let alive = live.contains(&p.id);
+            if !alive {
+                departed.push(p.id);
+            }
+            alive
+        });
         for id in live {
             if self.peers.iter().any(|p| p.id == id) {
                 continue;
@@ -134,6 +147,13 @@ impl Replicator {
                 self.peers.push(Peer { id, queue });
             }
         }
+    }
+
+    /// Peers declared dead (no heartbeat for `stale_ms`) since the last call: a VM that
+    /// crashed or was torn down never sends the ends of its requests, so the survivors
+    /// release what it had charged instead of waiting for the load TTL.
+    pub fn take_departed(&mut self) -> Vec<u32> {
+        core::mem::take(&mut self.departed)
     }
 
     /// Sends one message to every live peer; returns how many accepted it.
@@ -162,6 +182,18 @@ impl Replicator {
         }
         out
     }
+}
+
+/// The replication group of one filter configuration: the plugin name plus a hash of the
+/// configuration bytes. Worker ids are indices into the configured worker list, so VMs of
+/// an old configuration still draining after a reload must never apply the events of the
+/// new one (or the reverse); a different generation puts them in disjoint groups.
+pub fn namespace(plugin: &str, config: &[u8]) -> String {
+    // FNV-1a: stable across processes and builds, which is all a generation tag needs.
+    let h = config.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{plugin}@{h:016x}")
 }
 
 fn members_key(ns: &str) -> String {
@@ -337,5 +369,36 @@ mod tests {
         a.heartbeat(&bus, 1);
         b.heartbeat(&bus, 1);
         assert_eq!((a.peers(), b.peers()), (0, 0));
+    }
+
+    #[test]
+    fn stale_peers_are_reported_departed_once() {
+        let bus = MemoryBus::default();
+        let t = Timing {
+            stale_ms: 1_000,
+            forget_ms: 5_000,
+        };
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let b = Replicator::join(&bus, "ns", 0, t).unwrap();
+        a.heartbeat(&bus, 900);
+        assert!(a.take_departed().is_empty());
+        a.heartbeat(&bus, 1_500);
+        assert_eq!(a.take_departed(), vec![b.id()]);
+        a.heartbeat(&bus, 2_000);
+        assert!(a.take_departed().is_empty(), "reported once");
+    }
+
+    #[test]
+    fn the_generation_follows_the_configuration_bytes() {
+        let old = namespace("kv", br#"{"workers":[{"name":"x"},{"name":"y"}]}"#);
+        let same = namespace("kv", br#"{"workers":[{"name":"x"},{"name":"y"}]}"#);
+        let reordered = namespace("kv", br#"{"workers":[{"name":"y"},{"name":"x"}]}"#);
+        assert_eq!(old, same);
+        assert_ne!(old, reordered);
+        assert!(old.starts_with("kv@"));
+        assert_ne!(
+            old,
+            namespace("kv2", br#"{"workers":[{"name":"x"},{"name":"y"}]}"#)
+        );
     }
 }

@@ -601,6 +601,17 @@ impl Router {
         (lost, stale)
     }
 
+    /// Releases the requests started by replica `origin`, declared dead by replication: it
+    /// will never send their ends. Our own origin is never purged.
+    pub fn purge_origin(&mut self, origin: u64) -> usize {
+        // Ids carry their replica's origin in the high 32 bits (see `next_id`).
+        let tag = (origin & 0xFFFF_FFFF) << 32;
+        if tag == self.origin {
+            return 0;
+        }
+        self.load.free_matching(|id| id >> 32 == tag >> 32)
+    }
+
     pub fn worker_name(&self, w: WorkerId) -> &str {
         self.cfg
             .workers

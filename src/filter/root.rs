@@ -4,7 +4,7 @@ use super::host::Calls;
 use super::http::Http;
 use super::state::State;
 use crate::config::Config;
-use crate::replication::SharedBus;
+use crate::replication::{self, SharedBus};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::cell::RefCell;
@@ -51,10 +51,11 @@ impl RootContext for Root {
             }
         };
         let vm_id = host.property_string(&["plugin_vm_id"]).unwrap_or_default();
-        let ns = host
+        let plugin = host
             .property_string(&["plugin_name"])
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| "kvroute".into());
+        let ns = replication::namespace(&plugin, &bytes);
         let state = State::configure(Rc::clone(host), cfg, (self.bus)(vm_id), &ns);
         self.state = Some(Rc::new(RefCell::new(state)));
         host.set_tick_period(TICK);

@@ -232,6 +232,10 @@ impl State {
         if let Some(r) = &mut self.repl {
             r.heartbeat(self.bus.as_ref(), now);
             self.metrics.repl_peers.record(r.peers() as u64);
+            for id in r.take_departed() {
+                let n = self.router.purge_origin(u64::from(id));
+                self.metrics.expired_requests.add(n as u64);
+            }
         }
         self.drain();
         let (lost, _) = self.router.tick(now);

@@ -841,3 +841,68 @@ fn idle_ticks_make_no_host_errors() {
     }
     assert_eq!(vm.counter("kvroute.host_errors.total"), 0);
 }
+
+#[test]
+fn a_dead_peers_requests_are_released_by_the_survivors() {
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    a.state.borrow_mut().start_serving();
+    let (_mine, _) = a.post("a's own request");
+    let (_h1, _) = b.post("in flight when b crashes");
+    let (_h2, _) = b.post("also in flight");
+    b.state.borrow_mut().drain();
+    a.state.borrow_mut().drain();
+    assert_eq!(a.inflight(), 3, "a holds b's two requests and its own");
+    // b crashes: no more heartbeats, no ends for its requests. One tick within stale_ms
+    // keeps them; the first tick after it releases them (not the 600 s TTL).
+    a.f().now_ns += 1_000_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.inflight(), 3);
+    a.f().now_ns += 1_500_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.inflight(), 1, "only a's own request is left");
+    assert_eq!(a.counter("kvroute.expired_requests.total"), 2);
+}
+
+thread_local! {
+    static SHARED: Rc<MemoryBus> = Rc::new(MemoryBus::default());
+}
+
+/// A root over the thread's shared bus, configured with `workers` as plugin `kv`.
+fn root_with(workers: &str) -> (FakeHost, Root) {
+    let fake = FakeHost::default();
+    let host = Rc::new(Calls::new(Box::new(fake.clone())));
+    let mut root = Root::new(host, |_| Box::new(Process(SHARED.with(Rc::clone))));
+    {
+        let mut f = fake.0.borrow_mut();
+        f.plugin_config = format!(r#"{{"workers":{workers}}}"#).into_bytes();
+        f.properties.insert("plugin_name".into(), "kv".into());
+    }
+    assert!(root.on_configure(0));
+    (fake, root)
+}
+
+#[test]
+fn vms_of_a_reordered_configuration_never_join_the_old_ones() {
+    let old = r#"[{"name":"x"},{"name":"y"}]"#;
+    let reordered = r#"[{"name":"y"},{"name":"x"}]"#;
+    let (fa, mut a) = root_with(old);
+    let (fb, mut b) = root_with(reordered);
+    let (fc, mut c) = root_with(old);
+    for r in [&mut a, &mut b, &mut c] {
+        r.on_tick();
+    }
+    let peers = |f: &FakeHost| {
+        let f = f.0.borrow();
+        let m = f
+            .metrics
+            .iter()
+            .find(|m| m.0 == "kvroute.replication_peers");
+        m.and_then(|m| m.3)
+    };
+    // Worker 0 is x for a and c, y for b: b must not hear a's or c's events.
+    assert_eq!(peers(&fa), Some(1));
+    assert_eq!(peers(&fc), Some(1));
+    assert_eq!(peers(&fb), Some(0));
+}
