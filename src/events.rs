@@ -73,6 +73,8 @@ pub enum DecodeError {
     Version(u8),
     Truncated,
     UnknownTag(u8),
+    /// A value no sender produces (a non-finite or negative load or calibration figure).
+    Invalid,
 }
 
 impl core::fmt::Display for DecodeError {
@@ -84,6 +86,7 @@ impl core::fmt::Display for DecodeError {
             }
             DecodeError::Truncated => write!(f, "truncated replication message"),
             DecodeError::UnknownTag(t) => write!(f, "unknown replication event tag {t}"),
+            DecodeError::Invalid => write!(f, "invalid value in a replication event"),
         }
     }
 }
@@ -253,6 +256,10 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
         TAG_REPORT => {
             let worker = r.u16().ok_or(t)?;
             let kv_usage = f32::from_bits(r.u32().ok_or(t)?);
+            // NaN would poison every cost comparison that reads the report.
+            if !(kv_usage.is_finite() && kv_usage >= 0.0) {
+                return Err(DecodeError::Invalid);
+            }
             let waiting = r.u32().ok_or(t)?;
             let running = r.u32().ok_or(t)?;
             let at_ms = r.u64().ok_or(t)?;
@@ -277,9 +284,13 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             worker: r.u16().ok_or(t)?,
             hashes: r.hashes().ok_or(t)?,
         },
-        TAG_CALIBRATE => Event::Calibrate {
-            chars_per_token: f64::from_bits(r.u64().ok_or(t)?),
-        },
+        TAG_CALIBRATE => {
+            let chars_per_token = f64::from_bits(r.u64().ok_or(t)?);
+            if !chars_per_token.is_finite() {
+                return Err(DecodeError::Invalid);
+            }
+            Event::Calibrate { chars_per_token }
+        }
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -512,6 +523,33 @@ mod tests {
         assert_eq!(d.skipped, 3);
         assert_eq!(d.first_error, Some(DecodeError::UnknownTag(200)));
         assert_eq!(decode(&msg).unwrap().1.len(), 2);
+    }
+
+    #[test]
+    fn non_finite_figures_are_skipped_not_applied() {
+        let report = |kv_usage| Event::Report {
+            worker: 1,
+            report: Report {
+                kv_usage,
+                waiting: 0,
+                running: None,
+                at_ms: 1,
+            },
+        };
+        let msg = encode(
+            1,
+            &[
+                report(f32::NAN),
+                Event::Calibrate {
+                    chars_per_token: f64::INFINITY,
+                },
+                report(0.5),
+            ],
+        );
+        let d = decode_counted(&msg).unwrap();
+        assert_eq!(d.events, vec![report(0.5)]);
+        assert_eq!(d.skipped, 2);
+        assert_eq!(d.first_error, Some(DecodeError::Invalid));
     }
 
     #[test]
