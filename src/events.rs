@@ -13,6 +13,8 @@ use crate::ids::{RequestId, WorkerId};
 use crate::load::{NewRequest, Report};
 
 const VERSION: u8 = 2;
+/// The message format this build writes; part of the replication group's name.
+pub const WIRE_VERSION: u8 = VERSION;
 /// Unframed events: read for compatibility, never written.
 const VERSION_UNFRAMED: u8 = 1;
 const NO_WORKER: u16 = u16::MAX;

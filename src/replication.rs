@@ -187,12 +187,19 @@ impl Replicator {
 /// The replication group of one filter configuration: the plugin name plus a hash of the
 /// configuration bytes. Worker ids are indices into the configured worker list, so VMs of
 /// an old configuration still draining after a reload must never apply the events of the
-/// new one (or the reverse); a different generation puts them in disjoint groups.
+/// new one (or the reverse); a different generation puts them in disjoint groups. The
+/// filter's version is part of it too: an upgrade with an unchanged configuration must not
+/// mix builds that may not read each other's messages.
 pub fn namespace(plugin: &str, config: &[u8]) -> String {
-    // FNV-1a: stable across processes and builds, which is all a generation tag needs.
-    let h = config.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
+    // FNV-1a: stable across processes, which is all a generation tag needs.
+    let build = env!("CARGO_PKG_VERSION").as_bytes();
+    let wire = [crate::events::WIRE_VERSION];
+    let h = [build, &wire, config]
+        .iter()
+        .flat_map(|part| part.iter())
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
     format!("{plugin}@{h:016x}")
 }
 
