@@ -254,6 +254,9 @@ impl State {
             .index_bytes
             .record(r.index().memory_bytes() as u64);
         self.metrics
+            .index_probe_giveups
+            .record(r.index().probes_given_up());
+        self.metrics
             .active_requests
             .record(r.load().active_requests() as u64);
         self.metrics

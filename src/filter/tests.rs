@@ -840,6 +840,9 @@ fn idle_ticks_make_no_host_errors() {
         vm.state.borrow_mut().tick();
     }
     assert_eq!(vm.counter("kvroute.host_errors.total"), 0);
+    // A routing VM publishes its index gauges, the hash-flood give-ups among them.
+    assert_eq!(vm.recorded("kvroute.index_probe_giveups"), Some(0));
+    assert!(vm.recorded("kvroute.index_blocks").is_some());
 }
 
 #[test]
