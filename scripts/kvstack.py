@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -104,6 +105,63 @@ def kvroute_config(fleet: list[Worker], /, **overrides) -> dict:
         else:
             cfg[k] = v
     return cfg
+
+
+class RawWorker(Worker):
+    """A worker on a plain socket, for upstreams that misbehave: `answer(request bytes)` returns
+    the raw response bytes, or None to hold the connection open without ever answering."""
+
+    def __init__(self, name, answer, role="decode"):
+        super().__init__(name, role=role)
+        self.answer = answer
+        self.held = []
+
+    def start(self, speedup, log_dir):
+        self.port = self.port or free_port()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.sock.listen(64)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        try:
+            while True:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    piece = conn.recv(65536)
+                    if not piece:
+                        conn.close()
+                        return
+                    data += piece
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        length = int(v)
+                while len(body) < length:
+                    body += conn.recv(65536)
+                out = self.answer(head + b"\r\n\r\n" + body)
+                if out is None:
+                    self.held.append(conn)  # accepted, read, never answered
+                    return
+                conn.sendall(out)
+        except OSError:
+            conn.close()
+
+    def stop(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
 
 
 class Stack:

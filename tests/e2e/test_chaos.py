@@ -12,14 +12,13 @@ prefill_tokens and active_blocks read 0 once the 250 ms tick has published them.
 import http.client
 import json
 import os
-import socket
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import kvstack  # noqa: E402
-from kvstack import Stack, Worker, text  # noqa: E402
+from kvstack import RawWorker, Stack, Worker, text  # noqa: E402
 
 PLUGIN = {"disaggregation": {"threshold_tokens": 0}}
 LOAD_GAUGES = ("inflight", "prefill_tokens", "active_blocks")
@@ -138,63 +137,6 @@ def routes(cfg):
 
 
 # ---------------------------------------------------------------- workers that misbehave
-
-class RawWorker(Worker):
-    """A worker on a plain socket: `answer(request bytes)` returns the raw response bytes, or
-    None to hold the connection open without ever answering."""
-
-    def __init__(self, name, answer, role="decode"):
-        super().__init__(name, role=role)
-        self.answer = answer
-        self.held = []
-
-    def start(self, speedup, log_dir):
-        self.port = self.port or kvstack.free_port()
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", self.port))
-        self.sock.listen(64)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn):
-        try:
-            while True:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    piece = conn.recv(65536)
-                    if not piece:
-                        conn.close()
-                        return
-                    data += piece
-                head, body = data.split(b"\r\n\r\n", 1)
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                while len(body) < length:
-                    body += conn.recv(65536)
-                out = self.answer(head + b"\r\n\r\n" + body)
-                if out is None:
-                    self.held.append(conn)  # accepted, read, never answered
-                    return
-                conn.sendall(out)
-        except OSError:
-            conn.close()
-
-    def stop(self):
-        self.sock.close()
-        for c in self.held:
-            c.close()
-
 
 def never_answers(_request):
     return None

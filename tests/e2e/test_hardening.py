@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import kvstack  # noqa: E402
-from kvstack import Stack, Worker, request, text  # noqa: E402
+from kvstack import RawWorker, Stack, Worker, request, text  # noqa: E402
 
 
 def completion(prompt, max_tokens=4, **extra):
@@ -259,55 +259,19 @@ def test_rate_limit_429_is_not_a_worker_failure(monkeypatch):
         assert healthy(s, "decode-1") == 1
 
 
-class RawUpstream(Worker):
-    """A worker that answers every request with header values that are not UTF-8 (a broken
-    or hostile upstream); Envoy passes such bytes through to the filter."""
-
-    def start(self, speedup, log_dir):
-        self.port = self.port or kvstack.free_port()
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", self.port))
-        self.sock.listen(16)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn):
-        with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                piece = conn.recv(65536)
-                if not piece:
-                    return
-                data += piece
-            head, body = data.split(b"\r\n\r\n", 1)
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                k, _, v = line.partition(b":")
-                if k.strip().lower() == b"content-length":
-                    length = int(v)
-            while len(body) < length:
-                body += conn.recv(65536)
-            out = json.dumps({"choices": [{"text": "x"}],
-                              "usage": {"prompt_tokens": 3, "completion_tokens": 1}}).encode()
-            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.\xff\xfe\r\n"
-                         b"x-odd: \x80\r\n"
-                         b"content-length: " + str(len(out)).encode() + b"\r\nconnection: close\r\n\r\n" + out)
-
-    def stop(self):
-        self.sock.close()
+def non_utf8_upstream(_request):
+    """A broken or hostile upstream: header values that are not UTF-8 (Envoy passes such
+    bytes through to the filter)."""
+    out = json.dumps({"choices": [{"text": "x"}],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 1}}).encode()
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.\xff\xfe\r\n"
+            b"x-odd: \x80\r\n"
+            b"content-length: " + str(len(out)).encode() + b"\r\nconnection: close\r\n\r\n" + out)
 
 
 def test_upstream_header_values_that_are_not_utf8_do_not_crash_the_vm():
-    with Stack([RawUpstream("raw-1", role="decode")], kvroute={"disaggregation": {"threshold_tokens": 0}},
+    with Stack([RawWorker("raw-1", non_utf8_upstream)], kvroute={"disaggregation": {"threshold_tokens": 0}},
                concurrency=1) as s:
         for i in range(3):
             status, headers, data = s.post("/v1/completions", completion(f"raw {i}"))
