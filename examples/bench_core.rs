@@ -473,7 +473,7 @@ impl Bench {
         };
         assert!(d.fallback.is_none(), "fallback: {:?}", d.fallback);
         let hit = d.predicted_hit();
-        let blocks = d.hashes.len();
+        let blocks = d.hashes().len();
         let new_blocks = blocks.saturating_sub((d.overlap_tokens / BLOCK_SIZE) as usize);
         self.inflight.push_back(InFlight {
             d,

@@ -57,7 +57,6 @@ pub struct Decision {
     pub exact_tokens: bool,
     pub fallback: Option<Fallback>,
     pub all_busy: bool,
-    pub hashes: Vec<u64>,
     /// To replicate to the other threads (already applied here).
     pub event: Event,
     /// The prompt's text length, for calibrating chars per token from `usage`.
@@ -65,6 +64,14 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The prompt's block hashes: those its `Routed` event carries (one copy per request).
+    pub fn hashes(&self) -> &[u64] {
+        match &self.event {
+            Event::Routed(r) => &r.blocks,
+            _ => &[],
+        }
+    }
+
     /// Fraction of the prompt predicted to be served from cache.
     pub fn predicted_hit(&self) -> f64 {
         if self.prompt_tokens == 0 {
@@ -291,13 +298,12 @@ impl Router {
         };
         // Load is charged now; the speculative entry waits in `pending` for `flush`.
         self.load.add(&routed);
-        let hashes = routed.blocks.clone();
         self.pending.push((
             id,
             Pending {
                 worker: pick.id,
                 prefill,
-                hashes: hashes.clone(),
+                hashes: routed.blocks.clone(),
                 at_ms: now_ms,
             },
         ));
@@ -318,7 +324,6 @@ impl Router {
             exact_tokens: ph.exact,
             fallback: None,
             all_busy: pick.all_busy,
-            hashes,
             event,
             prompt_bytes_est: prompt_bytes,
         })
@@ -358,7 +363,6 @@ impl Router {
             exact_tokens: false,
             fallback: Some(why),
             all_busy: pick.all_busy,
-            hashes: Vec::new(),
             event,
             prompt_bytes_est: 0.0,
         })
@@ -496,7 +500,7 @@ impl Router {
     /// the request ends and drops them.
     pub fn on_first_byte(&mut self, d: &Decision, success: bool, now_ms: u64) -> Vec<Event> {
         let mut out = vec![Event::PrefillDone { id: d.id }];
-        if success && !d.hashes.is_empty() {
+        if success && !d.hashes().is_empty() {
             out.push(Event::Confirmed { id: d.id });
         }
         for e in &out {
@@ -776,8 +780,8 @@ mod tests {
         assert_eq!(r.speculative_requests(), 0);
         // The confirmed half stays, the failed request's own blocks are gone.
         let mut held = vec![0u32; 6];
-        r.held_blocks(&d.hashes, 2, &mut held);
-        assert_eq!(held[usize::from(d.decode)] as usize, first.hashes.len());
+        r.held_blocks(d.hashes(), 2, &mut held);
+        assert_eq!(held[usize::from(d.decode)] as usize, first.hashes().len());
         assert!(!r.worker_view(d.decode, 2).healthy);
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 3));
         assert_ne!(again.decode, d.decode, "avoids the failed worker");
@@ -843,11 +847,11 @@ mod tests {
         assert_eq!(r.speculative_requests(), 2);
         let mut held = vec![0u32; 6];
         r.flush();
-        r.held_blocks(&first.hashes, 1, &mut held);
-        let n = first.hashes.len() as u32;
+        r.held_blocks(first.hashes(), 1, &mut held);
+        let n = first.hashes().len() as u32;
         assert_eq!(held[usize::from(first.decode)], n);
         assert_eq!(held[usize::from(second.decode)], n);
-        r.index().lookup(&first.hashes, 1, &mut held);
+        r.index().lookup(first.hashes(), 1, &mut held);
         assert_eq!(held, vec![0; 6], "nothing confirmed yet");
         r.on_first_byte(&first, true, 2);
         r.on_finish(&first, 3);
@@ -913,7 +917,7 @@ mod tests {
         let d = routed(r.route(ApiKind::Completions, &completion(&doc(12, 30_000)), 0));
         assert_eq!(d.fallback, Some(Fallback::TooLarge));
         assert_eq!(d.fallback.as_ref().map(Fallback::kind), Some("too_large"));
-        assert!(d.hashes.is_empty());
+        assert!(d.hashes().is_empty());
         assert_eq!(r.worker_view(d.target, 0).inflight, 1);
         r.on_finish(&d, 1);
         // Within it but over max_blocks: only the leading blocks are hashed and replicated,
@@ -921,7 +925,7 @@ mod tests {
         let text = doc(13, 16_000); // ~250 blocks of 64 bytes
         let d = routed(r.route(ApiKind::Completions, &completion(&text), 2));
         assert_eq!(d.fallback, None);
-        assert_eq!(d.hashes.len(), 10);
+        assert_eq!(d.hashes().len(), 10);
         assert!(d.prompt_tokens > 3000, "{}", d.prompt_tokens);
         let Event::Routed(ev) = &d.event else {
             panic!("not routed")
