@@ -158,6 +158,20 @@ pub struct ScoringConfig {
     /// others sit on stale content; 0 disables.
     pub cache_balance: f64,
     pub cache_balance_half_life_ms: u64,
+    /// Extra weight on the prefill a request would recompute, per request the fleet's workers
+    /// have waiting for prefill on average (a queueing system's length grows as
+    /// utilisation / (1 - utilisation)): recomputing costs the fleet capacity that everyone
+    /// queued pays for, so affinity tightens as load rises. 0 disables.
+    pub recompute_weight: f64,
+    /// Upper bound of that extra weight.
+    pub recompute_weight_max: f64,
+    /// Cost of one block of an in-flight request's context, counted per request: every
+    /// decode step attends over each request's whole context, so a worker decoding many long
+    /// requests is slower for the next one even when they share a prefix in memory.
+    pub decode_weight: f64,
+    /// Share of a worker's KV above which every further block held costs as much as a block
+    /// of prefill (preemption and eviction of cached prefixes start there).
+    pub kv_watermark: f64,
 }
 
 impl Default for ScoringConfig {
@@ -169,6 +183,10 @@ impl Default for ScoringConfig {
             temperature: 0.0,
             cache_balance: 1.0,
             cache_balance_half_life_ms: 60_000,
+            recompute_weight: 1.0,
+            recompute_weight_max: 8.0,
+            decode_weight: 0.05,
+            kv_watermark: 0.9,
         }
     }
 }
@@ -439,10 +457,16 @@ impl Config {
             ("scoring.prefill_load_scale", s.prefill_load_scale),
             ("scoring.temperature", s.temperature),
             ("scoring.cache_balance", s.cache_balance),
+            ("scoring.recompute_weight", s.recompute_weight),
+            ("scoring.recompute_weight_max", s.recompute_weight_max),
+            ("scoring.decode_weight", s.decode_weight),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(err(name, "must be a finite number >= 0"));
             }
+        }
+        if !(s.kv_watermark.is_finite() && s.kv_watermark > 0.0 && s.kv_watermark <= 1.0) {
+            return Err(err("scoring.kv_watermark", "must be above 0 and at most 1"));
         }
         if !(self.busy.kv_usage.is_finite() && (0.0..=1.0).contains(&self.busy.kv_usage)) {
             return Err(err("busy.kv_usage", "must be between 0 and 1"));

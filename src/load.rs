@@ -73,6 +73,10 @@ impl Default for LoadParams {
 
 type BlockRefs = HashMap<u64, u32, KeyedState>;
 
+fn context_blocks(blocks: &[u64], tail_blocks: u32) -> u64 {
+    blocks.len() as u64 + u64::from(tail_blocks)
+}
+
 /// A worker's block map keeps its allocation when it empties if it holds at most this many
 /// entries (a 128k-token prompt's 8k blocks do not stay allocated on every worker that saw
 /// one); a map that is mostly empty is shrunk.
@@ -106,6 +110,9 @@ struct WorkerLoad {
     /// Active requests with blocks charged here (the contributors to `block_refs`).
     holders: u32,
     private_blocks: u64,
+    /// Every active request's blocks, shared prefixes counted per request: each decode step
+    /// attends over each request's whole context, so this is what decoding costs here.
+    context_blocks: u64,
     report: Option<Report>,
     unhealthy_until_ms: u64,
     failures: u32,
@@ -150,7 +157,12 @@ pub struct WorkerView {
     pub inflight: u32,
     /// Predicted prefill tokens still to compute (decayed when enabled).
     pub prefill_tokens: f64,
+    /// Requests whose prefill this worker has not finished (queued or running).
+    pub prefilling: u32,
+    /// KV blocks held by active requests, shared prefixes once (memory).
     pub active_blocks: u64,
+    /// Blocks of every active request's context, shared prefixes per request (decode work).
+    pub context_blocks: u64,
     pub fresh_blocks: f64,
     pub healthy: bool,
     /// Latest report if it is younger than the age limit asked for.
@@ -216,6 +228,7 @@ impl LoadTable {
         if let Some(w) = self.workers.get_mut(usize::from(r.worker)) {
             w.inflight += 1;
             w.private_blocks += u64::from(r.tail_blocks);
+            w.context_blocks += context_blocks(&r.blocks, r.tail_blocks);
             if charged > 0 {
                 if w.block_refs.is_empty() {
                     w.block_refs.reserve(charged);
@@ -293,6 +306,9 @@ impl LoadTable {
         if let Some(w) = self.workers.get_mut(usize::from(a.worker)) {
             w.inflight = w.inflight.saturating_sub(1);
             w.private_blocks = w.private_blocks.saturating_sub(u64::from(a.tail_blocks));
+            w.context_blocks = w
+                .context_blocks
+                .saturating_sub(context_blocks(&a.blocks, a.tail_blocks));
             if a.charged > 0 {
                 if w.holders <= 1 {
                     // The only contributor: the map holds exactly its blocks.
@@ -379,7 +395,9 @@ impl LoadTable {
         WorkerView {
             inflight: wl.inflight,
             prefill_tokens: self.effective_prefill(wl, now_ms),
+            prefilling: u32::try_from(wl.pending.len()).unwrap_or(u32::MAX),
             active_blocks: wl.block_refs.len() as u64 + wl.private_blocks,
+            context_blocks: wl.context_blocks,
             fresh_blocks: decay(
                 wl.fresh_blocks,
                 wl.fresh_at_ms,

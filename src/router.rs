@@ -277,8 +277,21 @@ impl Router {
                 let cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
-                    prefill = Some(pp.id);
-                    serve_overlap = pp.overlap_tokens;
+                    // The pool only pays when its queue lets the prefill finish no later than
+                    // on the decode worker; equal waits go to the pool, which keeps the long
+                    // prefill from stalling the decode worker's other streams.
+                    let wait = |c: &[Candidate], w: WorkerId, overlap: u32| {
+                        c.iter().find(|c| c.id == w).map_or(f64::INFINITY, |c| {
+                            c.load.prefill_tokens
+                                + f64::from(select::uncached_tokens(prompt_tokens, overlap))
+                        })
+                    };
+                    let pool_wait = wait(&cands, pp.id, pp.overlap_tokens);
+                    let local_wait = wait(&decode_cands, pick.id, pick.overlap_tokens);
+                    if pool_wait <= local_wait {
+                        prefill = Some(pp.id);
+                        serve_overlap = pp.overlap_tokens;
+                    }
                 }
             }
         }
@@ -399,10 +412,11 @@ impl Router {
         if n == 0 {
             return Vec::new();
         }
+        let recompute = select::recompute_factor(&self.sel, cands);
         let mut rest: Vec<(f64, WorkerId)> = cands
             .iter()
             .filter(|c| c.id != chosen && c.load.healthy)
-            .map(|c| (select::cost(&self.sel, c, shape), c.id))
+            .map(|c| (select::cost(&self.sel, c, shape, recompute), c.id))
             .collect();
         rest.sort_by(|a, b| a.0.total_cmp(&b.0));
         rest.into_iter().take(n).map(|(_, w)| w).collect()
@@ -717,6 +731,24 @@ mod tests {
         assert_eq!(again.prefill, None, "cached on the decode worker now");
         assert_eq!(again.decode, d.decode);
         assert_eq!(again.target, d.decode);
+    }
+
+    /// Long cold prompts arrive faster than anything finishes: the pool takes them while its
+    /// queue is no deeper than the decode workers' would be, then they prefill locally.
+    #[test]
+    fn prefill_pool_only_while_its_queue_is_shorter() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":1000}"#), 1, 3);
+        let (mut pool, mut local) = (0, 0);
+        for i in 0..12 {
+            let d = routed(r.route(ApiKind::Completions, &completion(&doc(100 + i, 40_000)), i));
+            match d.prefill {
+                Some(_) => pool += 1,
+                None => local += 1,
+            }
+        }
+        // Two pool workers against four decode workers: the pool takes its share, not all.
+        assert!((2..=6).contains(&pool), "pool {pool}, local {local}");
+        assert!(local >= 6, "pool {pool}, local {local}");
     }
 
     #[test]

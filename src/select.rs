@@ -1,13 +1,21 @@
-//! Worker selection: Dynamo's cost over cached overlap and predicted load, busy thresholds,
-//! health, and seeded sampling.
+//! Worker selection: predicted prefill wait, recompute cost, decode work and memory,
+//! busy thresholds, health, and seeded sampling.
 //!
-//! Cost, in KV blocks (lower wins):
-//!   prefill = max(0, (pending_prefill_tokens + prompt_tokens) / block_size - credit * overlap)
-//!   decode  = max(active_blocks, reported_kv_usage * kv_blocks) + blocks the request adds
-//!   cost    = prefill_load_scale * prefill + decode
-//!             + cache_balance * blocks the request writes * (recently written blocks / kv_blocks)
-//! A long cached prefix wins against a small load difference (affinity), and load wins
-//! against a short shared prefix because each pick is charged to the worker at once.
+//! Cost, in KV blocks (lower wins); `s` = prefill_load_scale:
+//!   uncached  = max(0, prompt_tokens / block_size - credit * overlap)
+//!   prefill   = s * ((pending_prefill_tokens + waiting_requests * overhead) / block_size
+//!                    + uncached)                                          the wait for it
+//!   recompute = s * uncached * min(recompute_weight_max,
+//!                                  recompute_weight * mean requests waiting for prefill)
+//!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
+//!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
+//!                      - kv_watermark * kv_blocks)
+//!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
+//! At low load the cost is the wait for the first token, so an idle cold worker beats a
+//! queued warm one. As queues grow, recomputed prefill costs everyone queued behind it, so the
+//! recompute term grows with them and keeps each prefix family where it is cached, spilling
+//! to another worker only when the holder's queue outweighs the recompute. Decode work (per
+//! request, not per shared block) is what spreads a burst of identical cached requests.
 
 use crate::config::Config;
 use crate::ids::WorkerId;
@@ -22,6 +30,13 @@ pub struct SelectParams {
     pub staged_decode: bool,
     pub temperature: f64,
     pub cache_balance: f64,
+    pub recompute_weight: f64,
+    pub recompute_weight_max: f64,
+    pub decode_weight: f64,
+    pub kv_watermark: f64,
+    /// Prefill tokens one waiting request's fixed overhead is worth
+    /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
+    pub request_overhead_tokens: f64,
     pub busy_kv_usage: f64,
     pub busy_waiting: u32,
     pub busy_inflight: u32,
@@ -84,6 +99,13 @@ impl SelectParams {
             staged_decode: cfg.scoring.staged_decode,
             temperature: cfg.scoring.temperature,
             cache_balance: cfg.scoring.cache_balance,
+            recompute_weight: cfg.scoring.recompute_weight,
+            recompute_weight_max: cfg.scoring.recompute_weight_max,
+            decode_weight: cfg.scoring.decode_weight,
+            kv_watermark: cfg.scoring.kv_watermark,
+            request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
+                * cfg.load.prefill_tokens_per_s
+                / 1000.0,
             busy_kv_usage: cfg.busy.kv_usage,
             busy_waiting: cfg.busy.waiting_requests,
             busy_inflight: cfg.busy.inflight_requests,
@@ -92,28 +114,51 @@ impl SelectParams {
     }
 }
 
-pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
+/// The fleet's recompute factor: the configured weight times the mean number of requests
+/// waiting for prefill on the workers that may take the request, capped.
+pub fn recompute_factor(p: &SelectParams, cands: &[Candidate]) -> f64 {
+    let healthy = cands.iter().filter(|c| c.load.healthy);
+    let (n, waiting) = healthy.fold((0u32, 0.0f64), |(n, w), c| {
+        (n + 1, w + f64::from(c.load.prefilling))
+    });
+    if n == 0 || p.recompute_weight <= 0.0 {
+        return 0.0;
+    }
+    (p.recompute_weight * waiting / f64::from(n)).min(p.recompute_weight_max)
+}
+
+/// Cost of sending request `r` to `c`; `recompute` is [`recompute_factor`] of the pool.
+pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, recompute: f64) -> f64 {
     let bs = f64::from(p.block_size.max(1));
+    let kv = f64::from(c.kv_blocks.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
-    let prefill = ((c.load.prefill_tokens + f64::from(r.prompt_tokens)) / bs
-        - p.overlap_credit * overlap)
-        .max(0.0);
+    let uncached = (f64::from(r.prompt_tokens) / bs - p.overlap_credit * overlap).max(0.0);
+    // Each request waiting ahead also costs its fixed scheduling overhead, so a worker that
+    // accepts requests and never starts them (stalled, or a black hole) stops attracting
+    // short prompts long before its token count would say so.
+    let waiting = f64::from(c.load.prefilling) * p.request_overhead_tokens;
+    let prefill = (c.load.prefill_tokens + waiting) / bs + uncached;
+    let decode = p.decode_weight * (c.load.context_blocks as f64 + f64::from(r.total_blocks));
     let reported = c
         .load
         .report
-        .map(|rep| f64::from(rep.kv_usage).clamp(0.0, 1.0) * f64::from(c.kv_blocks))
+        .map(|rep| f64::from(rep.kv_usage).clamp(0.0, 1.0) * kv)
         .unwrap_or(0.0);
     let written = (f64::from(r.total_blocks) - overlap).max(0.0);
     // Staged: while its prefill is pending the request adds only blocks that already exist.
     let new_blocks = if p.staged_decode { 0.0 } else { written };
-    let decode = (c.load.active_blocks as f64).max(reported) + new_blocks;
+    let held = (c.load.active_blocks as f64).max(reported) + new_blocks;
+    let memory = (held - p.kv_watermark * kv).max(0.0);
     // Cache pressure: the share of this worker's cache rewritten recently. Writing many new
     // blocks to a churning cache evicts content other requests would have hit; a mostly
     // cached request writes little, so affinity keeps winning.
     // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
     // uncapped value would let write volume outweigh cache hits at high request rates.
-    let pressure = (c.load.fresh_blocks / f64::from(c.kv_blocks.max(1))).min(1.0);
-    p.prefill_load_scale * prefill + decode + p.cache_balance * written * pressure
+    let pressure = (c.load.fresh_blocks / kv).min(1.0);
+    p.prefill_load_scale * (prefill + recompute * uncached)
+        + decode
+        + memory
+        + p.cache_balance * written * pressure
 }
 
 fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
@@ -147,10 +192,11 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
             !any_healthy || c.load.healthy
         }
     };
+    let recompute = recompute_factor(p, cands);
     let mut best: Vec<(usize, f64)> = Vec::with_capacity(cands.len());
     for (i, c) in cands.iter().enumerate() {
         if eligible(c) {
-            best.push((i, cost(p, c, r)));
+            best.push((i, cost(p, c, r, recompute)));
         }
     }
     let Some(i) = choose(p.temperature, &best, rng) else {
@@ -310,8 +356,8 @@ mod tests {
         assert!(seen.iter().all(|&n| n > 60), "{seen:?}");
     }
 
-    /// 32 identical requests arrive before any finishes; each pick is charged at once, so the
-    /// burst spreads once the load outweighs the shared prefix.
+    /// 64 identical requests arrive before any finishes; each pick is charged at once, so the
+    /// burst spreads once the decode work piled on the holder outweighs the shared prefix.
     #[test]
     fn burst_of_identical_requests_spreads() {
         let p = SelectParams::default();
@@ -326,7 +372,7 @@ mod tests {
             prompt_tokens: 2048,
             total_blocks: 128 + 16,
         };
-        for id in 0..32u64 {
+        for id in 0..64u64 {
             let cands: Vec<Candidate> = (0..4u16)
                 .map(|w| cand(w, overlap[usize::from(w)], t.view(w, 0, 0)))
                 .collect();
@@ -350,8 +396,8 @@ mod tests {
             "every worker takes part: {per:?}"
         );
         assert!(
-            per.iter().all(|&n| n < 24),
-            "no worker takes almost all: {per:?}"
+            per.iter().all(|&n| n <= 32),
+            "no worker takes more than half: {per:?}"
         );
         assert!(
             per[0] >= per[1],
@@ -461,7 +507,7 @@ mod tests {
             ..SelectParams::default()
         };
         let loaded = WorkerView {
-            active_blocks: 500,
+            prefill_tokens: 8000.0,
             ..idle()
         };
         let cands = [cand(0, 0, idle()), cand(1, 0, loaded)];
@@ -484,15 +530,108 @@ mod tests {
             ..SelectParams::default()
         };
         let r = shape(1600);
-        let cold = cost(&p, &cand(0, 0, idle()), &r);
-        let warm = cost(&p, &cand(1, 100, idle()), &r);
+        let cold = cost(&p, &cand(0, 0, idle()), &r, 0.0);
+        let warm = cost(&p, &cand(1, 100, idle()), &r, 0.0);
         assert!(warm < cold);
         let q = SelectParams {
             staged_decode: false,
             cache_balance: 0.0,
             ..SelectParams::default()
         };
-        assert!(cost(&q, &cand(1, 100, idle()), &r) < cost(&q, &cand(0, 0, idle()), &r));
+        assert!(cost(&q, &cand(1, 100, idle()), &r, 0.0) < cost(&q, &cand(0, 0, idle()), &r, 0.0));
+    }
+
+    /// The holder of a 1600-token prefix has 3200 tokens of prefill queued; the other workers
+    /// are idle (low load) or each have requests waiting too (high load).
+    #[test]
+    fn affinity_tightens_as_queues_grow() {
+        let p = SelectParams::default();
+        let queued = |prefilling: u32, tokens: f64| WorkerView {
+            prefilling,
+            prefill_tokens: tokens,
+            inflight: prefilling,
+            ..idle()
+        };
+        let r = shape(1600);
+        let low = [
+            cand(0, 100, queued(1, 3200.0)),
+            cand(1, 0, idle()),
+            cand(2, 0, idle()),
+        ];
+        assert_ne!(picked(pick(&p, &low, &r, &mut Rng::new(1))).id, 0);
+        // Every worker has a queue: recomputing the prefix elsewhere delays everyone queued.
+        let high = [
+            cand(0, 100, queued(4, 3200.0)),
+            cand(1, 0, queued(3, 1000.0)),
+            cand(2, 0, queued(3, 1000.0)),
+        ];
+        assert!(recompute_factor(&p, &high) > 3.0);
+        for seed in 0..10 {
+            assert_eq!(picked(pick(&p, &high, &r, &mut Rng::new(seed))).id, 0);
+        }
+        // Without the recompute term the idle-ish cold workers win, as at low load.
+        let flat = SelectParams {
+            recompute_weight: 0.0,
+            ..p
+        };
+        assert_ne!(picked(pick(&flat, &high, &r, &mut Rng::new(1))).id, 0);
+        // The factor is capped.
+        let deep = [cand(0, 0, queued(1000, 0.0)), cand(1, 0, queued(1000, 0.0))];
+        assert_eq!(recompute_factor(&p, &deep), p.recompute_weight_max);
+    }
+
+    /// Decode work counts each request's whole context: a worker decoding many long requests
+    /// loses a fully cached request to an idle one once that work outweighs the prefill.
+    #[test]
+    fn decode_work_outweighs_a_cached_prefix_eventually() {
+        let p = SelectParams::default();
+        let decoding = |requests: u64| WorkerView {
+            inflight: requests as u32,
+            context_blocks: requests * 110,
+            active_blocks: 110,
+            ..idle()
+        };
+        let r = shape(1600);
+        let few = [cand(0, 100, decoding(4)), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &few, &r, &mut Rng::new(1))).id, 0);
+        let many = [cand(0, 100, decoding(40)), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &many, &r, &mut Rng::new(1))).id, 1);
+    }
+
+    /// A worker holding a short prompt's prefix but sitting on requests it never starts (no
+    /// first byte) loses the next one to an idle worker: each waiting request costs its
+    /// fixed overhead even when its own prefill was predicted cached.
+    #[test]
+    fn stalled_worker_stops_attracting_short_prompts() {
+        let p = SelectParams::default();
+        let stalled = WorkerView {
+            prefilling: 4,
+            inflight: 4,
+            prefill_tokens: 4.0 * 48.0,
+            ..idle()
+        };
+        let r = shape(160);
+        let cands = [cand(0, 8, stalled), cand(1, 0, idle()), cand(2, 0, idle())];
+        assert_ne!(picked(pick(&p, &cands, &r, &mut Rng::new(1))).id, 0);
+    }
+
+    /// Above the watermark every further block held costs a block of prefill.
+    #[test]
+    fn memory_counts_only_above_the_watermark() {
+        let p = SelectParams {
+            cache_balance: 0.0,
+            decode_weight: 0.0,
+            ..SelectParams::default()
+        };
+        let held = |blocks: u64| WorkerView {
+            active_blocks: blocks,
+            ..idle()
+        };
+        let r = shape(160);
+        let base = cost(&p, &cand(0, 0, idle()), &r, 0.0);
+        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r, 0.0), base);
+        // 950 held + 10 new against 900 allowed.
+        assert!((cost(&p, &cand(0, 0, held(950)), &r, 0.0) - base - 60.0).abs() < 1e-9);
     }
 
     #[test]
