@@ -158,10 +158,11 @@ pub struct ScoringConfig {
     /// others sit on stale content; 0 disables.
     pub cache_balance: f64,
     pub cache_balance_half_life_ms: u64,
-    /// Extra weight on the prefill a request would recompute, per request the fleet's workers
-    /// have waiting for prefill on average (a queueing system's length grows as
-    /// utilisation / (1 - utilisation)): recomputing costs the fleet capacity that everyone
-    /// queued pays for, so affinity tightens as load rises. 0 disables.
+    /// Extra weight on the prefill a request would recompute, per request waiting for prefill
+    /// on the worker that would recompute it (a queue's length grows as utilisation /
+    /// (1 - utilisation)): recomputing on a busy worker delays whoever queues behind it, so
+    /// affinity tightens as load rises, and an idle worker still recomputes for free. 0
+    /// disables.
     pub recompute_weight: f64,
     /// Upper bound of that extra weight.
     pub recompute_weight_max: f64,

@@ -6,15 +6,15 @@
 //!   prefill   = s * ((pending_prefill_tokens + waiting_requests * overhead) / block_size
 //!                    + uncached)                                          the wait for it
 //!   recompute = s * uncached * min(recompute_weight_max,
-//!                                  recompute_weight * mean requests waiting for prefill)
+//!                                  recompute_weight * requests waiting for prefill there)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
 //! At low load the cost is the wait for the first token, so an idle cold worker beats a
-//! queued warm one. As queues grow, recomputed prefill costs everyone queued behind it, so the
-//! recompute term grows with them and keeps each prefix family where it is cached, spilling
-//! to another worker only when the holder's queue outweighs the recompute. Decode work (per
+//! queued warm one. As queues grow, prefill recomputed on a busy worker delays whoever queues
+//! behind it, so the recompute term grows with that worker's queue and keeps each prefix
+//! family where it is cached, spilling only to a worker with room to recompute it. Decode work (per
 //! request, not per shared block) is what spreads a burst of identical cached requests.
 
 use crate::config::Config;
@@ -114,21 +114,16 @@ impl SelectParams {
     }
 }
 
-/// The fleet's recompute factor: the configured weight times the mean number of requests
-/// waiting for prefill on the workers that may take the request, capped.
-pub fn recompute_factor(p: &SelectParams, cands: &[Candidate]) -> f64 {
-    let healthy = cands.iter().filter(|c| c.load.healthy);
-    let (n, waiting) = healthy.fold((0u32, 0.0f64), |(n, w), c| {
-        (n + 1, w + f64::from(c.load.prefilling))
-    });
-    if n == 0 || p.recompute_weight <= 0.0 {
-        return 0.0;
-    }
-    (p.recompute_weight * waiting / f64::from(n)).min(p.recompute_weight_max)
+/// Weight of the prefill `c` would recompute, on top of the wait it causes: recomputed work
+/// delays whoever arrives behind it, and a worker's queue grows as utilisation /
+/// (1 - utilisation), so its count of requests waiting for prefill stands for that delay.
+/// An idle worker recomputes for free; a busy fleet keeps each prefix where it is cached.
+pub fn recompute_factor(p: &SelectParams, c: &Candidate) -> f64 {
+    (p.recompute_weight * f64::from(c.load.prefilling)).min(p.recompute_weight_max)
 }
 
-/// Cost of sending request `r` to `c`; `recompute` is [`recompute_factor`] of the pool.
-pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, recompute: f64) -> f64 {
+/// Cost of sending request `r` to `c`.
+pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     let bs = f64::from(p.block_size.max(1));
     let kv = f64::from(c.kv_blocks.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
@@ -155,7 +150,7 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, recompute: f64) -
     // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
     // uncapped value would let write volume outweigh cache hits at high request rates.
     let pressure = (c.load.fresh_blocks / kv).min(1.0);
-    p.prefill_load_scale * (prefill + recompute * uncached)
+    p.prefill_load_scale * (prefill + recompute_factor(p, c) * uncached)
         + decode
         + memory
         + p.cache_balance * written * pressure
@@ -192,11 +187,10 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
             !any_healthy || c.load.healthy
         }
     };
-    let recompute = recompute_factor(p, cands);
     let mut best: Vec<(usize, f64)> = Vec::with_capacity(cands.len());
     for (i, c) in cands.iter().enumerate() {
         if eligible(c) {
-            best.push((i, cost(p, c, r, recompute)));
+            best.push((i, cost(p, c, r)));
         }
     }
     let Some(i) = choose(p.temperature, &best, rng) else {
@@ -530,19 +524,19 @@ mod tests {
             ..SelectParams::default()
         };
         let r = shape(1600);
-        let cold = cost(&p, &cand(0, 0, idle()), &r, 0.0);
-        let warm = cost(&p, &cand(1, 100, idle()), &r, 0.0);
+        let cold = cost(&p, &cand(0, 0, idle()), &r);
+        let warm = cost(&p, &cand(1, 100, idle()), &r);
         assert!(warm < cold);
         let q = SelectParams {
             staged_decode: false,
             cache_balance: 0.0,
             ..SelectParams::default()
         };
-        assert!(cost(&q, &cand(1, 100, idle()), &r, 0.0) < cost(&q, &cand(0, 0, idle()), &r, 0.0));
+        assert!(cost(&q, &cand(1, 100, idle()), &r) < cost(&q, &cand(0, 0, idle()), &r));
     }
 
     /// The holder of a 1600-token prefix has 3200 tokens of prefill queued; the other workers
-    /// are idle (low load) or each have requests waiting too (high load).
+    /// are idle (low load: recomputing there delays nobody) or have requests waiting too.
     #[test]
     fn affinity_tightens_as_queues_grow() {
         let p = SelectParams::default();
@@ -559,13 +553,13 @@ mod tests {
             cand(2, 0, idle()),
         ];
         assert_ne!(picked(pick(&p, &low, &r, &mut Rng::new(1))).id, 0);
-        // Every worker has a queue: recomputing the prefix elsewhere delays everyone queued.
+        // Every worker has a queue: recomputing the prefix on one delays whoever queues there.
         let high = [
             cand(0, 100, queued(4, 3200.0)),
             cand(1, 0, queued(3, 1000.0)),
             cand(2, 0, queued(3, 1000.0)),
         ];
-        assert!(recompute_factor(&p, &high) > 3.0);
+        assert_eq!(recompute_factor(&p, &high[1]), 3.0);
         for seed in 0..10 {
             assert_eq!(picked(pick(&p, &high, &r, &mut Rng::new(seed))).id, 0);
         }
@@ -576,7 +570,7 @@ mod tests {
         };
         assert_ne!(picked(pick(&flat, &high, &r, &mut Rng::new(1))).id, 0);
         // The factor is capped.
-        let deep = [cand(0, 0, queued(1000, 0.0)), cand(1, 0, queued(1000, 0.0))];
+        let deep = cand(0, 0, queued(1000, 0.0));
         assert_eq!(recompute_factor(&p, &deep), p.recompute_weight_max);
     }
 
@@ -628,10 +622,10 @@ mod tests {
             ..idle()
         };
         let r = shape(160);
-        let base = cost(&p, &cand(0, 0, idle()), &r, 0.0);
-        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r, 0.0), base);
+        let base = cost(&p, &cand(0, 0, idle()), &r);
+        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r), base);
         // 950 held + 10 new against 900 allowed.
-        assert!((cost(&p, &cand(0, 0, held(950)), &r, 0.0) - base - 60.0).abs() < 1e-9);
+        assert!((cost(&p, &cand(0, 0, held(950)), &r) - base - 60.0).abs() < 1e-9);
     }
 
     #[test]
