@@ -714,7 +714,12 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
         let pick = select::pick(&sp, &cands, &shape, &mut rng);
         let mut rest: Vec<(f64, u16)> = cands
             .iter()
-            .map(|c| (select::cost(&sp, c, &shape), c.id))
+            .map(|c| {
+                (
+                    select::cost(&sp, c, &shape, select::fleet_waiting(&cands)),
+                    c.id,
+                )
+            })
             .collect();
         rest.sort_by(|a, b| a.0.total_cmp(&b.0));
         black_box((&pick, &rest));

@@ -5,8 +5,8 @@
 //!   uncached  = max(0, prompt_tokens / block_size - credit * overlap)
 //!   prefill   = s * ((pending_prefill_tokens + waiting_requests * overhead) / block_size
 //!                    + uncached)                                          the wait for it
-//!   recompute = s * uncached * min(recompute_weight_max,
-//!                                  recompute_weight * requests waiting for prefill there)
+//!   recompute = s * uncached * min(recompute_weight_max, recompute_weight *
+//!                 requests waiting for prefill there, or on the pool's median worker if more)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
@@ -114,16 +114,33 @@ impl SelectParams {
     }
 }
 
-/// Weight of the prefill `c` would recompute, on top of the wait it causes: recomputed work
-/// delays whoever arrives behind it, and a worker's queue grows as utilisation /
-/// (1 - utilisation), so its count of requests waiting for prefill stands for that delay.
-/// An idle worker recomputes for free; a busy fleet keeps each prefix where it is cached.
-pub fn recompute_factor(p: &SelectParams, c: &Candidate) -> f64 {
-    (p.recompute_weight * f64::from(c.load.prefilling)).min(p.recompute_weight_max)
+/// Requests waiting for prefill on the median worker among `cands` that may take a request:
+/// how scarce prefill capacity is across the pool, untouched by one hot worker's queue.
+pub fn fleet_waiting(cands: &[Candidate]) -> u32 {
+    let mut w: Vec<u32> = cands
+        .iter()
+        .filter(|c| c.load.healthy)
+        .map(|c| c.load.prefilling)
+        .collect();
+    if w.is_empty() {
+        return 0;
+    }
+    let mid = (w.len() - 1) / 2;
+    w.select_nth_unstable(mid);
+    w.get(mid).copied().unwrap_or(0)
 }
 
-/// Cost of sending request `r` to `c`.
-pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
+/// Weight of the prefill `c` would recompute, on top of the wait it causes: recomputed work
+/// delays whoever queues behind it, and a queue grows as utilisation / (1 - utilisation), so
+/// the requests waiting for prefill on `c`, or on the median worker if more (`fleet`, from
+/// [`fleet_waiting`]), stand for that delay. With idle workers around a prefix is recomputed
+/// for free; a busy fleet keeps each prefix where it is cached.
+pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
+    (p.recompute_weight * f64::from(c.load.prefilling.max(fleet))).min(p.recompute_weight_max)
+}
+
+/// Cost of sending request `r` to `c`; `fleet` is [`fleet_waiting`] of the pool.
+pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, fleet: u32) -> f64 {
     let bs = f64::from(p.block_size.max(1));
     let kv = f64::from(c.kv_blocks.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
@@ -150,7 +167,7 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape) -> f64 {
     // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
     // uncapped value would let write volume outweigh cache hits at high request rates.
     let pressure = (c.load.fresh_blocks / kv).min(1.0);
-    p.prefill_load_scale * (prefill + recompute_factor(p, c) * uncached)
+    p.prefill_load_scale * (prefill + recompute_factor(p, c, fleet) * uncached)
         + decode
         + memory
         + p.cache_balance * written * pressure
@@ -187,10 +204,11 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
             !any_healthy || c.load.healthy
         }
     };
+    let fleet = fleet_waiting(cands);
     let mut best: Vec<(usize, f64)> = Vec::with_capacity(cands.len());
     for (i, c) in cands.iter().enumerate() {
         if eligible(c) {
-            best.push((i, cost(p, c, r)));
+            best.push((i, cost(p, c, r, fleet)));
         }
     }
     let Some(i) = choose(p.temperature, &best, rng) else {
@@ -524,15 +542,15 @@ mod tests {
             ..SelectParams::default()
         };
         let r = shape(1600);
-        let cold = cost(&p, &cand(0, 0, idle()), &r);
-        let warm = cost(&p, &cand(1, 100, idle()), &r);
+        let cold = cost(&p, &cand(0, 0, idle()), &r, 0);
+        let warm = cost(&p, &cand(1, 100, idle()), &r, 0);
         assert!(warm < cold);
         let q = SelectParams {
             staged_decode: false,
             cache_balance: 0.0,
             ..SelectParams::default()
         };
-        assert!(cost(&q, &cand(1, 100, idle()), &r) < cost(&q, &cand(0, 0, idle()), &r));
+        assert!(cost(&q, &cand(1, 100, idle()), &r, 0) < cost(&q, &cand(0, 0, idle()), &r, 0));
     }
 
     /// The holder of a 1600-token prefix has 3200 tokens of prefill queued; the other workers
@@ -559,7 +577,13 @@ mod tests {
             cand(1, 0, queued(3, 1000.0)),
             cand(2, 0, queued(3, 1000.0)),
         ];
-        assert_eq!(recompute_factor(&p, &high[1]), 3.0);
+        assert_eq!(fleet_waiting(&high), 3);
+        assert_eq!(recompute_factor(&p, &high[1], 0), 3.0);
+        // A cold worker with no queue of its own still pays the fleet's scarcity.
+        assert_eq!(
+            recompute_factor(&p, &cand(3, 0, idle()), fleet_waiting(&high)),
+            3.0
+        );
         for seed in 0..10 {
             assert_eq!(picked(pick(&p, &high, &r, &mut Rng::new(seed))).id, 0);
         }
@@ -571,7 +595,7 @@ mod tests {
         assert_ne!(picked(pick(&flat, &high, &r, &mut Rng::new(1))).id, 0);
         // The factor is capped.
         let deep = cand(0, 0, queued(1000, 0.0));
-        assert_eq!(recompute_factor(&p, &deep), p.recompute_weight_max);
+        assert_eq!(recompute_factor(&p, &deep, 0), p.recompute_weight_max);
     }
 
     /// Decode work counts each request's whole context: a worker decoding many long requests
@@ -622,10 +646,10 @@ mod tests {
             ..idle()
         };
         let r = shape(160);
-        let base = cost(&p, &cand(0, 0, idle()), &r);
-        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r), base);
+        let base = cost(&p, &cand(0, 0, idle()), &r, 0);
+        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r, 0), base);
         // 950 held + 10 new against 900 allowed.
-        assert!((cost(&p, &cand(0, 0, held(950)), &r) - base - 60.0).abs() < 1e-9);
+        assert!((cost(&p, &cand(0, 0, held(950)), &r, 0) - base - 60.0).abs() < 1e-9);
     }
 
     #[test]
