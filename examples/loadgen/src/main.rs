@@ -8,6 +8,7 @@
 //!
 //! Writes `summary.json` and `requests.jsonl` to `--out`.
 
+mod ceiling;
 mod client;
 mod stats;
 mod text;
@@ -53,6 +54,10 @@ run mode:
   --out DIR                 write summary.json and requests.jsonl there
   --threads N               tokio worker threads [1]
   --fleet-size N            workers in the fleet (for max/mean requests per worker) [seen]
+  --ceiling-block N         after the run, the infinite-cache reuse ceiling: tokenize every
+                            prompt sent as the mock worker does, hash N-token blocks (chained,
+                            like the worker's prefix cache) and count the share of prompt
+                            tokens some earlier request already had (0 = skip) [16]
  mooncake:
   --trace PATH              JSONL trace (timestamp, input_length, output_length, hash_ids)
   --start N / --count N     slice of the trace [0 / all]
@@ -70,6 +75,9 @@ run mode:
   --zipf S                  Zipf exponent for system prompts and documents [1.1]
   --system-tokens N         [1000]
   --user-tokens N           tokens per user turn [100]
+  --tool-tokens A-B         agentic sessions: every user turn after the first also carries
+                            tool output of A-B tokens (uniform), so the context grows by it
+                            plus the reply each turn [none]
   --docs D                  long documents [10]
   --doc-tokens N            [8000]
   --doc-fraction F          share of conversations that are questions on a document [0.3]
@@ -119,6 +127,8 @@ pub struct Args {
     pub zipf: f64,
     pub system_tokens: usize,
     pub user_tokens: usize,
+    pub tool_tokens: Option<(usize, usize)>,
+    pub ceiling_block: usize,
     pub docs: usize,
     pub doc_tokens: usize,
     pub doc_fraction: f64,
@@ -165,6 +175,8 @@ fn parse_args() -> Result<Args, String> {
         zipf: 1.1,
         system_tokens: 1000,
         user_tokens: 100,
+        tool_tokens: None,
+        ceiling_block: 16,
         docs: 10,
         doc_tokens: 8000,
         doc_fraction: 0.3,
@@ -242,6 +254,18 @@ fn parse_args() -> Result<Args, String> {
             "--zipf" => a.zipf = num!(),
             "--system-tokens" => a.system_tokens = num!(),
             "--user-tokens" => a.user_tokens = num!(),
+            "--tool-tokens" => {
+                let (x, y) = v.split_once('-').unwrap_or((&v, &v));
+                let r: (usize, usize) = (
+                    x.parse().map_err(|_| format!("{f}: bad value"))?,
+                    y.parse().map_err(|_| format!("{f}: bad value"))?,
+                );
+                if r.1 < r.0 {
+                    return Err(format!("{f}: want A-B with A <= B"));
+                }
+                a.tool_tokens = Some(r);
+            }
+            "--ceiling-block" => a.ceiling_block = num!(),
             "--docs" => a.docs = num!(),
             "--doc-tokens" => a.doc_tokens = num!(),
             "--doc-fraction" => a.doc_fraction = num!(),
@@ -398,6 +422,8 @@ pub struct Ctx {
     pub records: Mutex<Vec<Value>>,
     /// Inter-token gaps per request index.
     pub gaps: Mutex<Vec<(usize, Vec<f32>)>>,
+    /// Every body sent (dispatch time, request index), for the reuse ceiling after the run.
+    pub sent: Mutex<Vec<(f64, usize, Bytes)>>,
 }
 
 /// One request as the workloads describe it.
@@ -418,6 +444,10 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
     let t0 = Instant::now();
     let t_dispatch = t0.duration_since(ctx.start).as_secs_f64();
     let body = Bytes::from(serde_json::to_vec(&job.body).expect("json"));
+    ctx.sent
+        .lock()
+        .unwrap()
+        .push((t_dispatch, job.idx, body.clone()));
     let headers = [("x-session-id", job.session.clone())];
     let mut oracle_cached = None;
     let mut probe_s = None;
@@ -565,6 +595,7 @@ async fn run(a: Args) -> i32 {
         start: Instant::now(),
         records: Mutex::new(Vec::new()),
         gaps: Mutex::new(Vec::new()),
+        sent: Mutex::new(Vec::new()),
     });
     let res = match a.workload.as_str() {
         "mooncake" => match Mooncake::load(&a) {
@@ -590,7 +621,19 @@ async fn run(a: Args) -> i32 {
         eprintln!("loadgen: {e}");
         return 2;
     }
-    let records = std::mem::take(&mut *ctx.records.lock().unwrap());
+    let mut records = std::mem::take(&mut *ctx.records.lock().unwrap());
+    let mut sent = std::mem::take(&mut *ctx.sent.lock().unwrap());
+    if a.ceiling_block > 0 {
+        let ideal = ceiling::ideal_cached(&mut sent, a.ceiling_block);
+        for r in &mut records {
+            let i = r["i"].as_u64().unwrap_or(u64::MAX) as usize;
+            if let Some(&(c, n)) = ideal.get(&i) {
+                r["ideal_cached_tokens"] = json!(c);
+                r["ideal_prompt_tokens"] = json!(n);
+            }
+        }
+    }
+    drop(sent);
     let gaps = std::mem::take(&mut *ctx.gaps.lock().unwrap());
     let summary = stats::summarize(&a, &records, gaps);
     eprintln!("{}", stats::one_line(&summary));

@@ -122,6 +122,13 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
     sample_errors.sort();
     sample_errors.dedup();
     sample_errors.truncate(5);
+    // Infinite-cache reuse ceiling (records carry it when --ceiling-block > 0): after the
+    // warm-up, like hit_rate, and over the whole run, like the engines' own counters.
+    let all: Vec<&Value> = records.iter().collect();
+    let ceiling = |rs: &[&Value]| {
+        let p = sum(rs, "ideal_prompt_tokens");
+        (p > 0).then(|| sum(rs, "ideal_cached_tokens") as f64 / p as f64)
+    };
     let s = a.sim_speedup;
     json!({
         "label": a.label,
@@ -153,6 +160,8 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         "cached_tokens": cached,
         "output_tokens": out_tokens,
         "hit_rate": if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+        "reuse_ceiling": ceiling(&measured),
+        "reuse_ceiling_all": ceiling(&all),
         "fleet_size": n_workers,
         "per_worker": per_worker,
         "max_over_mean_requests": if mean_req > 0.0 { max_req / mean_req } else { 0.0 },

@@ -217,6 +217,8 @@ pub struct Synthetic {
     n_docs: usize,
     system_tokens: usize,
     user_tokens: usize,
+    /// Tool output carried by every user turn after the first, uniform in this range.
+    tool_tokens: Option<(usize, usize)>,
     doc_tokens: usize,
     doc_fraction: f64,
     max_tokens: u64,
@@ -243,6 +245,7 @@ impl Synthetic {
             n_docs: a.docs,
             system_tokens: a.system_tokens,
             user_tokens: a.user_tokens.max(1),
+            tool_tokens: a.tool_tokens,
             doc_tokens: a.doc_tokens,
             doc_fraction: a.doc_fraction,
             max_tokens: max_tokens.max(1),
@@ -257,6 +260,25 @@ impl Synthetic {
         let mut s = String::with_capacity(n * 5);
         push_words(&mut s, seed_of(parts), n);
         s
+    }
+
+    /// One user turn: the document (first turn of a document conversation), tool output
+    /// (turns after the first, with `--tool-tokens`), then the question or instruction.
+    fn user_message(&self, s: usize, turn: usize, doc: Option<usize>, st: &mut u64) -> String {
+        let mut user = String::new();
+        if let (Some(doc), 0) = (doc, turn) {
+            user.push_str("Document:");
+            user.push_str(&self.words(&[self.seed, 2, doc as u64], self.doc_tokens));
+            user.push_str("\nQuestion:");
+        }
+        if let Some((lo, hi)) = self.tool_tokens.filter(|_| turn > 0) {
+            let n = lo + (splitmix(st) as usize) % (hi - lo + 1);
+            user.push_str("Tool output:");
+            user.push_str(&self.words(&[self.seed, 4, s as u64, turn as u64], n));
+            user.push_str("\nUser:");
+        }
+        user.push_str(&self.words(&[self.seed, 3, s as u64, turn as u64], self.user_tokens));
+        user
     }
 
     async fn session(self: Arc<Self>, ctx: Arc<Ctx>, s: usize, arrival: f64) {
@@ -278,13 +300,7 @@ impl Synthetic {
         }
         let mut due = arrival;
         for turn in 0..turns {
-            let mut user = String::new();
-            if is_doc && turn == 0 {
-                user.push_str("Document:");
-                user.push_str(&self.words(&[self.seed, 2, doc as u64], self.doc_tokens));
-                user.push_str("\nQuestion:");
-            }
-            user.push_str(&self.words(&[self.seed, 3, s as u64, turn as u64], self.user_tokens));
+            let user = self.user_message(s, turn, is_doc.then_some(doc), &mut st);
             flat.push_str("\nUser:");
             flat.push_str(&user);
             flat.push_str("\nAssistant:");
@@ -376,5 +392,58 @@ mod tests {
         // A partial last block shares the full block's tokens up to its cut.
         let c = m.prompt(&req(19, &[0, 1, 2]));
         assert_eq!(tokenizer::encode(&c)[..16], ta[..16]);
+    }
+
+    fn synthetic(tool_tokens: Option<(usize, usize)>) -> Synthetic {
+        Synthetic {
+            sessions: 1,
+            rate: 1.0,
+            turns: (1, 1),
+            think: 0.0,
+            sys: Zipf::new(1, 1.1),
+            docs: Zipf::new(1, 1.1),
+            n_docs: 0,
+            system_tokens: 0,
+            user_tokens: 20,
+            tool_tokens,
+            doc_tokens: 0,
+            doc_fraction: 0.0,
+            max_tokens: 1,
+            seed: 7,
+            api: Api::Chat,
+            model: String::new(),
+            counter: AtomicUsize::new(0),
+        }
+    }
+
+    #[test]
+    fn tool_output_of_the_drawn_size_after_the_first_turn() {
+        let plain = synthetic(None);
+        let w = synthetic(Some((500, 3000)));
+        let mut st = 5;
+        // The first turn is the task alone; without --tool-tokens every turn is.
+        assert_eq!(tokenizer::count(&w.user_message(0, 0, None, &mut st)), 20);
+        assert_eq!(
+            tokenizer::count(&plain.user_message(0, 3, None, &mut st)),
+            20
+        );
+        let sizes: Vec<usize> = (1..60)
+            .map(|turn| tokenizer::count(&w.user_message(0, turn, None, &mut st)) - 20)
+            .collect();
+        // "Tool output:" and "\nUser:" add a few tokens to the drawn size.
+        assert!(
+            sizes.iter().all(|&n| (500..=3000 + 16).contains(&n)),
+            "{sizes:?}"
+        );
+        assert!(
+            sizes.iter().any(|&n| n < 1200) && sizes.iter().any(|&n| n > 2300),
+            "{sizes:?}"
+        );
+        // Deterministic in the session's sampling state.
+        let (mut a, mut b) = (9, 9);
+        assert_eq!(
+            w.user_message(3, 2, None, &mut a),
+            w.user_message(3, 2, None, &mut b)
+        );
     }
 }
