@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """kvroute benchmark suite: every routing policy against the same simulated fleet.
 
-For each policy and each arrival speed it starts a fresh fleet of mock workers, the router
-under test (Envoy with kvroute, Envoy with a built-in lb_policy, sglang-router, vllm-router,
-or none for the oracle, which routes inside the load generator), replays a slice of a
-Mooncake trace with examples/loadgen, then stops everything. All processes listen on random
-free 127.0.0.1 ports and are stopped on exit, error or Ctrl-C.
+For each scenario (bench/scenarios.py), policy and offered load it starts a fresh fleet of mock
+workers, the router under test (Envoy with kvroute, Envoy with a built-in lb_policy,
+sglang-router, vllm-router, or none for the oracle, which routes inside the load generator),
+runs the scenario's workload with examples/loadgen (a slice of a Mooncake trace or a seeded
+synthetic workload), then stops everything. All processes listen on random free 127.0.0.1
+ports and are stopped on exit, error or Ctrl-C.
 
 Results go to bench/results/<name>/: results.json (every summary, goodput, overhead),
 results.md (tables), PNG plots; raw per-request JSONL and logs under raw/ (not committed).
 
-Usage: bench/run.py --preset quick|full [--name NAME] [--policies a,b] [--speeds 1,2]
+Usage: bench/run.py --preset quick|full [--scenario a,b|all] [--split dev|heldout] [--name NAME]
+       [--policies a,b] [--speeds 1,2]
 Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for the plots.
 """
 
@@ -29,6 +31,9 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scenarios  # noqa: E402  (the scenario table)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
@@ -67,12 +72,12 @@ COMMON = dict(
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
 )
+# quick: each scenario's first two loads (round-robin near half of its saturation and near it);
+# full: all three. The workload, its seeds or trace slices and the loads come from
+# bench/scenarios.py.
 PRESETS = {
-    # At llama3-8b-h100 capacity the fleet's knee is near speed 28 (21 simulated rps).
-    "quick": dict(COMMON, start=0, count=800, warmup=80, speeds=[20.0, 28.0], main_speed=28.0,
-                  overhead_requests=[200, 200, 50, 20], saturate_s=3.0),
-    "full": dict(COMMON, start=0, count=2000, warmup=200, speeds=[12.0, 16.0, 20.0, 24.0, 28.0, 32.0],
-                 main_speed=28.0, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
+    "quick": dict(COMMON, n_loads=2, overhead_requests=[200, 200, 50, 20], saturate_s=3.0),
+    "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
 }
 POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
@@ -315,17 +320,31 @@ def scrape(ws):
     return tot
 
 
+def workload_args(cfg, load):
+    """loadgen's workload flags for one offered load of the configured scenario."""
+    if cfg["workload"] == "mooncake":
+        return ["--trace", trace_path(cfg), "--start", str(cfg["start"]), "--count", str(cfg["count"]),
+                "--speed", str(load), "--block-tokens", str(cfg["block_tokens"]),
+                "--max-input-tokens", str(cfg["max_input_tokens"])]
+    # Synthetic: load is new sessions per simulated second and think_s simulated seconds;
+    # loadgen's --rate and --think-ms are wall-clock, so the rate is multiplied by the fleet's
+    # speedup and the think time divided by it.
+    return ["--workload", "synthetic", "--seed", str(cfg["seed"]), "--sessions", str(cfg["sessions"]),
+            "--turns", f"{cfg['turns'][0]}-{cfg['turns'][1]}", "--rate", f"{load * cfg['speedup']:g}",
+            "--think-ms", f"{cfg['think_s'] * 1000 / cfg['speedup']:g}", "--speed", "1"] + list(cfg["loadgen_args"])
+
+
 def run_cell(cfg, policy, speed, rawdir):
-    cell = os.path.join(rawdir, policy, f"speed{speed:g}")
+    cell = os.path.join(rawdir, policy, f"load{speed:g}")
     shutil.rmtree(cell, ignore_errors=True)
     os.makedirs(cell)
     started = list(Procs.live)
+    t_cell = time.time()
     try:
         ws = start_fleet(cfg, cell)
         procs = [w["proc"] for w in ws]
-        lg = [LOADGEN, "--trace", trace_path(cfg), "--start", str(cfg["start"]), "--count", str(cfg["count"]),
-              "--speed", str(speed), "--block-tokens", str(cfg["block_tokens"]),
-              "--max-output", str(cfg["max_output"]), "--max-input-tokens", str(cfg["max_input_tokens"]),
+        lg = [LOADGEN] + workload_args(cfg, speed) + [
+              "--max-output", str(cfg["max_output"]),
               "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
               "--warmup", str(cfg["warmup"]), "--label", policy, "--out", cell, "--timeout-s", "300"]
         if policy == "oracle":
@@ -361,9 +380,12 @@ def run_cell(cfg, policy, speed, rawdir):
             s["hit_rate_source"] = "engine"
         else:
             s["hit_rate_source"] = "usage"
-        log(f"{policy:24s} speed {speed:>5g}: {s['ok']}/{s['requests']} ok, offered {s['offered_rps_sim']:.2f} rps(sim), "
-            f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, hit {s['hit_rate']:.3f}, "
-            f"max/mean {s['max_over_mean_requests']:.2f}, preempt {s['preemptions']}, evicted {s['evicted_blocks']}")
+        s["wall_s"] = time.time() - t_cell
+        log(f"{cfg['scenario']:>14s} {policy:24s} {cfg['load_name']} {speed:>5g}: {s['ok']}/{s['requests']} ok, "
+            f"offered {s['offered_rps_sim']:.2f} rps(sim), "
+            f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, hit {s['hit_rate']:.3f} "
+            f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
+            f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall")
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
@@ -500,16 +522,83 @@ def analyze(cfg, res):
     res["targets"] = targets
 
 
-def write_markdown(cfg, res, path):
+SUMMARY_POLICIES = ["kvroute", "kvroute-tuned", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
+                    "envoy-ring-hash", "envoy-least-request", "envoy-random", "oracle"]
+
+
+def summary_markdown(res):
+    """Scenario x policy: TTFT p50 / p90, hit rate and max/mean requests at each load."""
+    sc = [(n, s) for n, s in res["scenarios"].items() if s["policies"]]
+    if not sc:
+        return []
+    nl = max(len(s["config"]["speeds"]) for _, s in sc)
+    L = ["## Scenarios", "",
+         "| scenario | split | KV blocks/worker | reuse ceiling (run / measured) | description |", "|---|---|---|---|---|"]
+    for n, s in sc:
+        c = s["config"]
+        L.append(f"| {n} | {s['split']} ({s['split_label']}) | {c['kv_blocks']} | {fmt(s.get('reuse_ceiling_all'))} / "
+                 f"{fmt(s.get('reuse_ceiling'))} | {s['description']} |")
+    L += ["", "Reuse ceiling: share of prompt tokens an infinite prefix cache shared by the fleet would serve for "
+          "exactly the requests sent (loadgen re-tokenizes every prompt as the mock does and hashes 16-token "
+          "blocks), over the whole run (compare with the engines' hit rate, `*`) and after the warm-up.", "",
+          "## Summary (TTFT simulated s; hit rate; max/mean requests per worker)", "",
+          "| scenario | policy | " + " | ".join(f"load {i + 1}: rps | TTFT p50 / p90 | hit | max/mean" for i in range(nl)) + " |",
+          "|---|---|" + "---|---|---|---|" * nl]
+    for n, s in sc:
+        c = s["config"]
+        pols = sorted(s["policies"], key=lambda p: SUMMARY_POLICIES.index(p) if p in SUMMARY_POLICIES else 99)
+        for pol in pols:
+            r = s["policies"][pol]
+            cells = []
+            for sp in sorted(c["speeds"]):
+                x = r.get("runs", {}).get(f"{sp:g}")
+                if not x:
+                    cells.append(f"{c['load_name']} {sp:g} | - | - | -")
+                    continue
+                hs = "*" if x.get("hit_rate_source") == "engine" else ""
+                err = "" if x["errors"] == 0 else f" ({x['errors']} err)"
+                cells.append(f"{x['offered_rps_sim']:.1f} | {fmt(x['ttft_sim_s']['p50'], 2)} / "
+                             f"{fmt(x['ttft_sim_s']['p90'], 2)}{err} | {x['hit_rate']:.3f}{hs} | "
+                             f"{x['max_over_mean_requests']:.2f}")
+            cells += ["| | |"] * (nl - len(cells))
+            L.append(f"| {n} | {pol} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
+def write_markdown(res, path):
     L = [f"# Benchmark results: {res['name']}", "",
-         f"Command: `{res['command']}`  ", f"Date: {res['date']}, wall time {res['wall_s']:.0f} s  ",
+         f"Command: `{res['command']}`  ", f"Date: {res['date']}, wall time {res['wall_s']:.0f} s "
+         f"({res['wall_s'] / 60:.1f} min), split {res['split']}  ",
+         "All times are simulated seconds (wall x speedup); rates are simulated requests/s.", ""]
+    L += summary_markdown(res)
+    for s in res["scenarios"].values():
+        L += scenario_markdown(s["config"], s)
+    ov = res.get("overhead")
+    if ov:
+        L += overhead_markdown(ov)
+    if res.get("not_run"):
+        L += ["", "## Could not run", ""] + [f"- {k}: {v}" for k, v in res["not_run"].items()]
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def scenario_markdown(cfg, res):
+    if cfg["workload"] == "mooncake":
+        wl = (f"Mooncake {cfg['trace']} {cfg['split_label']} (first {cfg['warmup']} not measured), trace blocks "
+              f"of 512 tokens replayed as {cfg['block_tokens']}, max_tokens <= {cfg['max_output']}, prompts <= "
+              f"{cfg['max_input_tokens']} tokens; load = trace speed factor")
+    else:
+        wl = (f"synthetic, {cfg['split_label']}, {cfg['sessions']} sessions of {cfg['turns'][0]}-{cfg['turns'][1]} "
+              f"turns, think {cfg['think_s']:g} s, `{' '.join(cfg['loadgen_args'])}`, max_tokens <= "
+              f"{cfg['max_output']} (first {cfg['warmup']} requests not measured); load = new sessions per "
+              "simulated second")
+    L = ["", f"## Scenario {cfg['scenario']} ({cfg['split']})", "", cfg["description"] + "  ",
          f"Fleet: {cfg['workers']} mock workers, Dynamo timing model, --speedup {cfg['speedup']:g}, "
          f"`{' '.join(mock_args(cfg))}` ({cfg['kv_blocks']} blocks x {cfg['block_size']} tokens of KV each)  ",
-         f"Workload: Mooncake {cfg['trace']} requests {cfg['start']}..{cfg['start'] + cfg['count']} "
-         f"(first {cfg['warmup']} not measured), trace blocks of 512 tokens replayed as {cfg['block_tokens']}, "
-         f"max_tokens <= {cfg['max_output']}, prompts <= {cfg['max_input_tokens']} tokens  ",
-         "All times are simulated seconds (wall x speedup); rates are simulated requests/s.", "",
-         f"## Policies at speed {cfg['main_speed']:g} (main point)", "",
+         f"Workload: {wl}  ",
+         f"Infinite-cache reuse ceiling: {fmt(res.get('reuse_ceiling_all'))} of prompt tokens over the run, "
+         f"{fmt(res.get('reuse_ceiling'))} after the warm-up; {res['wall_s']:.0f} s wall", "",
+         f"### Policies at {cfg['load_name']} {cfg['main_speed']:g} (main point)", "",
          "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | done rps | hit rate | max/mean req | "
          f"goodput @p90<={cfg['slo_s']:g}s | preempt | evicted blocks |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -530,8 +619,8 @@ def write_markdown(cfg, res, path):
           "the fleet; evicted blocks: cached KV blocks the fleet evicted to make room (mock:kv_evicted_blocks).",
           "", "Goodput: highest offered rate of the sweep whose p90 TTFT stays under the SLO (in brackets, "
           "linear interpolation to the SLO crossing; `>=` when even the fastest rate of the sweep met it; "
-          "`none` when even the slowest missed it).", "", "## Sweep (TTFT p90, simulated s, by offered rate)", "",
-          "| policy | " + " | ".join(f"speed {s:g}" for s in cfg["speeds"]) + " |",
+          "`none` when even the slowest missed it).", "", "### Sweep (TTFT p90, simulated s, by offered rate)", "",
+          "| policy | " + " | ".join(f"{cfg['load_name']} {s:g}" for s in cfg["speeds"]) + " |",
           "|---|" + "---|" * len(cfg["speeds"])]
     for pol, r in res["policies"].items():
         if "error" in r:
@@ -543,13 +632,17 @@ def write_markdown(cfg, res, path):
                          + ("" if x["errors"] == 0 else f" ({x['errors']} err)"))
         L.append(f"| {pol} | " + " | ".join(cells) + " |")
     if res.get("targets"):
-        L += ["", "## Targets", "", "| policy | metric | value | target |", "|---|---|---|---|"]
+        L += ["", "### Targets", "", "| policy | metric | value | target |", "|---|---|---|---|"]
         want = {"goodput_vs_round_robin": ">= 2.5", "goodput_vs_best_peer": ">= 1.2",
                 "ttft_p50_vs_round_robin": "<= 0.5", "hit_rate_vs_oracle": ">= 0.9", "max_over_mean_requests": "<= 1.5"}
         for pol, tg in res["targets"].items():
             for k, v in tg.items():
                 L.append(f"| {pol} | {k} | {v:.2f} | {want[k]} |")
-    ov = res.get("overhead")
+    return L
+
+
+def overhead_markdown(ov):
+    L = []
     if ov:
         L += ["", "## Overhead (one instant worker, non-streaming, max_tokens 1, 1 client, paths interleaved; wall ms)", "",
               "| path | " + " | ".join(f"{n // 1000}k {kind} p50 / p99" for _, kind, n in overhead_cells())
@@ -565,13 +658,10 @@ def write_markdown(cfg, res, path):
                 for k, _, _ in overhead_cells()) + " | |")
         if ov.get("kvroute_error"):
             L.append(f"\nkvroute could not run here: {ov['kvroute_error']}")
-    if res.get("not_run"):
-        L += ["", "## Could not run", ""] + [f"- {k}: {v}" for k, v in res["not_run"].items()]
-    with open(path, "w") as f:
-        f.write("\n".join(L) + "\n")
+    return L
 
 
-def plot(cfg, res, outdir, rawdir):
+def plot(cfg, res, outdir, rawdir, prefix=""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -581,7 +671,7 @@ def plot(cfg, res, outdir, rawdir):
     # TTFT CDF at the main point, from the per-request records.
     fig, ax = plt.subplots(figsize=(8, 5))
     for pol in ok:
-        f = os.path.join(rawdir, pol, f"speed{main}", "requests.jsonl")
+        f = os.path.join(rawdir, pol, f"load{main}", "requests.jsonl")
         if not os.path.exists(f):
             continue
         v = []
@@ -598,11 +688,11 @@ def plot(cfg, res, outdir, rawdir):
     ax.set_xlabel("TTFT (simulated s, log)")
     ax.set_ylabel("fraction of requests")
     ax.axvline(cfg["slo_s"], color="grey", ls=":", lw=1)
-    ax.set_title(f"TTFT CDF, Mooncake {cfg['trace'].split('_')[0]}, speed {main}")
+    ax.set_title(f"TTFT CDF, {cfg['scenario']} ({cfg['split']}), {cfg['load_name']} {main}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(outdir, "ttft_cdf.png"), dpi=110)
+    fig.savefig(os.path.join(outdir, prefix + "ttft_cdf.png"), dpi=110)
     plt.close(fig)
 
     # Hit rate per policy.
@@ -614,9 +704,9 @@ def plot(cfg, res, outdir, rawdir):
         ax.text(b.get_x() + b.get_width() / 2, h, f"{h:.3f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(pols)), pols, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("prompt-cache hit rate (cached / prompt tokens)")
-    ax.set_title(f"Hit rate per policy, speed {main}")
+    ax.set_title(f"Hit rate per policy, {cfg['scenario']}, {cfg['load_name']} {main}")
     fig.tight_layout()
-    fig.savefig(os.path.join(outdir, "hit_rate.png"), dpi=110)
+    fig.savefig(os.path.join(outdir, prefix + "hit_rate.png"), dpi=110)
     plt.close(fig)
 
     # Requests per worker (heat map).
@@ -629,10 +719,10 @@ def plot(cfg, res, outdir, rawdir):
             ax.text(j, i, str(v), ha="center", va="center", fontsize=7, color="white" if v < max(map(max, grid)) * 0.6 else "black")
     ax.set_xticks(range(len(names)), names)
     ax.set_yticks(range(len(pols)), [f"{p} ({ok[p]['runs'][main]['max_over_mean_requests']:.2f})" for p in pols], fontsize=8)
-    ax.set_title(f"Requests per worker, speed {main} (max/mean in brackets)")
+    ax.set_title(f"Requests per worker, {cfg['scenario']}, {cfg['load_name']} {main} (max/mean in brackets)")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(os.path.join(outdir, "requests_per_worker.png"), dpi=110)
+    fig.savefig(os.path.join(outdir, prefix + "requests_per_worker.png"), dpi=110)
     plt.close(fig)
 
     # Goodput: p90 TTFT against offered rate.
@@ -649,11 +739,11 @@ def plot(cfg, res, outdir, rawdir):
     ax.set_yscale("log")
     ax.set_xlabel("offered request rate (simulated req/s)")
     ax.set_ylabel("TTFT p90 (simulated s, log)")
-    ax.set_title("TTFT p90 vs. request rate")
+    ax.set_title(f"TTFT p90 vs. request rate, {cfg['scenario']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(outdir, "goodput.png"), dpi=110)
+    fig.savefig(os.path.join(outdir, prefix + "goodput.png"), dpi=110)
     plt.close(fig)
 
 
@@ -686,45 +776,119 @@ def plot_overhead(res, outdir):
 
 # ---------------------------------------------------------------- main
 
+def scenario_config(base, name, split, overrides):
+    """One scenario's configuration: the preset, the scenario's settings and split, then the
+    command line's overrides (--set etc. win over the scenario table)."""
+    sc = scenarios.SCENARIOS[name]
+    cfg = dict(base)
+    cfg.update(sc["set"])
+    cfg.update(scenario=name, split=split, workload=sc["workload"], description=sc["description"],
+               split_label=scenarios.split_label(sc, split),
+               load_name="speed" if sc["workload"] == "mooncake" else "rate")
+    if sc["workload"] == "mooncake":
+        cfg.update(start=sc[split]["start"], count=sc[split]["count"])
+    else:
+        cfg.update(seed=sc[split]["seed"], sessions=sc["sessions"], turns=list(sc["turns"]),
+                   think_s=sc["think_s"], loadgen_args=list(sc["args"]))
+    cfg["speeds"] = list(sc["loads"][:base["n_loads"]])
+    cfg["main_speed"] = cfg["speeds"][min(1, len(cfg["speeds"]) - 1)]
+    cfg.update(overrides)
+    if "speeds" in overrides and "main_speed" not in overrides and cfg["main_speed"] not in cfg["speeds"]:
+        cfg["main_speed"] = cfg["speeds"][-1]
+    if "warmup" not in overrides:
+        n = cfg["count"] if cfg["workload"] == "mooncake" else scenarios.expected_requests(
+            dict(sc, sessions=cfg["sessions"], turns=cfg["turns"]), split)
+        cfg["warmup"] = round(0.1 * n)
+    return cfg
+
+
+def run_scenario(cfg, policies, rawdir):
+    """Every policy at every load of one scenario; returns its results.json section."""
+    resolve_capacity(cfg, rawdir)
+    sres = {"config": cfg, "description": cfg["description"], "split": cfg["split"],
+            "split_label": cfg["split_label"], "policies": {}, "not_run": {}}
+    t0 = time.time()
+    for pol in policies:
+        runs = {}
+        err = None
+        for sp in sorted(cfg["speeds"]):
+            try:
+                runs[f"{sp:g}"] = run_cell(cfg, pol, sp, rawdir)
+            except Exception as e:
+                err = str(e)
+                log(f"{cfg['scenario']} {pol} {cfg['load_name']} {sp:g}: could not run: {err}")
+                break
+        if runs:
+            sres["policies"][pol] = {"runs": runs}
+            if err:
+                sres["policies"][pol]["partial_error"] = err
+        else:
+            sres["policies"][pol] = {"error": err}
+            sres["not_run"][pol] = err
+    analyze(cfg, sres)
+    # The infinite-cache ceiling depends only on the requests sent, the same in every run of a
+    # split up to the replies' text; the median over runs stands for the scenario.
+    for key in ("reuse_ceiling", "reuse_ceiling_all"):
+        v = sorted(r[key] for p in sres["policies"].values() for r in p.get("runs", {}).values()
+                   if r.get(key) is not None)
+        sres[key] = v[len(v) // 2] if v else None
+        sres[key + "_range"] = [v[0], v[-1]] if v else None
+    sres["wall_s"] = time.time() - t0
+    return sres
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                    help="quick: two loads per scenario; full: three [quick]")
+    ap.add_argument("--scenario", default="conversation",
+                    help="comma-separated scenarios, or all, or quick (" + ",".join(scenarios.QUICK) + "); one of: "
+                    + ", ".join(scenarios.SCENARIOS) + " [conversation]")
+    ap.add_argument("--split", choices=["dev", "heldout"], default="heldout",
+                    help="dev: the seed or trace slice to tune on; heldout: the one to report [heldout]")
     ap.add_argument("--name", help="results folder under bench/results [preset name]")
     ap.add_argument("--policies", help="comma-separated subset of: " + ",".join(POLICIES))
-    ap.add_argument("--speeds", help="comma-separated arrival speed factors (overrides the preset)")
+    ap.add_argument("--speeds", help="comma-separated offered loads for every scenario run (trace speed factor, "
+                    "or new sessions per simulated second for synthetic scenarios; overrides the table)")
     ap.add_argument("--main-speed", type=float)
-    ap.add_argument("--count", type=int)
+    ap.add_argument("--count", type=int, help="trace requests (Mooncake) or sessions (synthetic)")
     ap.add_argument("--slo", type=float, help="p90 TTFT SLO, simulated seconds [2]")
     ap.add_argument("--tuned", help="JSON merged into the kvroute-tuned plugin config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a preset value (numbers parsed as JSON), e.g. --set kv_blocks=4096")
+                    help="override a preset or scenario value (numbers parsed as JSON), e.g. --set kv_blocks=4096")
     ap.add_argument("--mock-flags", help="extra mock-worker flags, one string (use --mock-flags=\"--x --y\"), "
                     "e.g. --enable-prompt-tokens-details or --orca-on-stream")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--only-overhead", action="store_true")
     a = ap.parse_args()
 
-    cfg = dict(PRESETS[a.preset])
+    base = dict(PRESETS[a.preset])
+    overrides = {}
     if a.speeds:
-        cfg["speeds"] = [float(x) for x in a.speeds.split(",")]
-        if cfg["main_speed"] not in cfg["speeds"]:
-            cfg["main_speed"] = cfg["speeds"][0]
+        overrides["speeds"] = [float(x) for x in a.speeds.split(",")]
     if a.main_speed:
-        cfg["main_speed"] = a.main_speed
-    if a.count:
-        cfg["count"] = a.count
+        overrides["main_speed"] = a.main_speed
     if a.slo:
-        cfg["slo_s"] = a.slo
+        overrides["slo_s"] = a.slo
     if a.tuned:
-        cfg["tuned"] = json.loads(a.tuned)
+        overrides["tuned"] = json.loads(a.tuned)
     for kv in a.set:
         k, v = kv.split("=", 1)
         try:
-            cfg[k] = json.loads(v)
+            overrides[k] = json.loads(v)
         except json.JSONDecodeError:
-            cfg[k] = v
+            overrides[k] = v
     if a.mock_flags is not None:
-        cfg["mock_flags"] = a.mock_flags
+        overrides["mock_flags"] = a.mock_flags
+    names = (list(scenarios.SCENARIOS) if a.scenario == "all" else list(scenarios.QUICK) if a.scenario == "quick"
+             else a.scenario.split(","))
+    for n in names:
+        if n not in scenarios.SCENARIOS:
+            sys.exit(f"unknown scenario {n} (one of: {', '.join(scenarios.SCENARIOS)})")
+    policies = a.policies.split(",") if a.policies else list(POLICIES)
+    for pol in policies:
+        if pol not in POLICIES:
+            sys.exit(f"unknown policy {pol}")
     name = a.name or a.preset
     outdir = os.path.join(ROOT, "bench", "results", name)
     rawdir = os.path.join(outdir, "raw")
@@ -734,48 +898,48 @@ def main():
             sys.exit(f"missing {exe}: run `make bench-deps` first")
 
     t_start = time.time()
-    resolve_capacity(cfg, rawdir)
-    res = {"name": name, "preset": a.preset, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": cfg, "policies": {}, "not_run": {}}
-    res["table"] = []
-    policies = a.policies.split(",") if a.policies else list(POLICIES)
-    wasm_ok = os.path.exists(WASM)
+    res = {"name": name, "preset": a.preset, "split": a.split,
+           "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}}
+    cfgs = {}
     if not a.only_overhead:
-        for pol in policies:
-            if pol not in POLICIES:
-                sys.exit(f"unknown policy {pol}")
-            runs = {}
-            err = None
-            for sp in sorted(cfg["speeds"]):
-                try:
-                    runs[f"{sp:g}"] = run_cell(cfg, pol, sp, rawdir)
-                except Exception as e:
-                    err = str(e)
-                    log(f"{pol} speed {sp:g}: could not run: {err}")
-                    break
-            if runs:
-                res["policies"][pol] = {"runs": runs}
-                if err:
-                    res["policies"][pol]["partial_error"] = err
-            else:
-                res["policies"][pol] = {"error": err}
-                res["not_run"][pol] = err
-                if pol.startswith("kvroute"):
-                    wasm_ok = False
-        analyze(cfg, res)
+        for n in names:
+            cfg = scenario_config(base, n, a.split, dict(overrides, **({"count": a.count} if a.count and
+                                  scenarios.SCENARIOS[n]["workload"] == "mooncake" else
+                                  {"sessions": a.count} if a.count else {})))
+            sraw = os.path.join(rawdir, n)
+            os.makedirs(sraw, exist_ok=True)
+            cfgs[n] = cfg
+            res["scenarios"][n] = run_scenario(cfg, policies, sraw)
+            for pol, err in res["scenarios"][n]["not_run"].items():
+                res["not_run"][f"{n}/{pol}"] = err
+        if len(names) == 1:
+            # One scenario: its results also at the top level, where bench/signals.py and older
+            # readers of results.json look.
+            only = res["scenarios"][names[0]]
+            res.update(config=only["config"], policies=only["policies"], table=only["table"],
+                       targets=only["targets"])
     if not a.no_overhead:
         try:
-            res["overhead"] = run_overhead(cfg, rawdir, wasm_ok)
+            ocfg = next(iter(cfgs.values()), None)
+            if ocfg is None:
+                ocfg = scenario_config(base, names[0], a.split, overrides)
+                resolve_capacity(ocfg, rawdir)
+            wasm_ok = os.path.exists(WASM) and not any(
+                p.startswith("kvroute") and "error" in r for s in res["scenarios"].values()
+                for p, r in s["policies"].items())
+            res["overhead"] = run_overhead(ocfg, rawdir, wasm_ok)
         except Exception as e:
             res["not_run"]["overhead"] = str(e)
             log(f"overhead could not run: {e}")
     res["wall_s"] = time.time() - t_start
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_markdown(cfg, res, os.path.join(outdir, "results.md"))
+    write_markdown(res, os.path.join(outdir, "results.md"))
     try:
-        if res["policies"]:
-            plot(cfg, res, outdir, rawdir)
+        for n, sres in res["scenarios"].items():
+            if sres["policies"]:
+                plot(sres["config"], sres, outdir, os.path.join(rawdir, n), prefix=f"{n}_")
         plot_overhead(res, outdir)
     except ImportError as e:
         log(f"no plots: {e} (run with build/bench-venv/bin/python)")

@@ -1,7 +1,9 @@
-# Benchmark suite (bench/README.md): `make bench` runs every routing policy against the same
-# simulated fleet with a load sweep and the proxy-overhead test (<= 30 min on 2 cores);
-# `make bench-quick` is the short version (<= 5 min); `make bench-signals` compares router
-# signals (real vLLM defaults against the old mock flags). Results: bench/results/<name>/.
+# Benchmark suite (bench/README.md): `make bench` runs every routing policy on every scenario
+# (bench/scenarios.py) at three loads, held-out split, plus the proxy-overhead test (<= 40 min
+# on 2 cores); `make bench-scenarios` (= `make bench-quick`) runs the production-like synthetic
+# scenarios for kvroute and the main baselines at two loads (<= 8 min); `make bench-signals`
+# compares router signals (real vLLM defaults against the old mock flags).
+# Results: bench/results/<name>/.
 # Included by the main Makefile (`-include mk/*.mk`); uses its `venv` (Envoy) and `wasm`.
 # Extra flags for bench/run.py: make bench BENCH_ARGS="--policies oracle,envoy-round-robin".
 
@@ -35,11 +37,21 @@ bench-deps: venv $(BENCH_VENV)/.installed build/sglang-venv/.installed-$(SGLANG_
 
 .PHONY: bench
 bench: bench-deps
-	$(BENCH_PY) bench/run.py --preset full $(BENCH_ARGS)
+	$(BENCH_PY) bench/run.py --preset full --scenario all --name full $(BENCH_ARGS)
+
+# shared-context, agentic and docqa, held-out seeds, two loads each (round-robin near half of
+# its saturation and near it), kvroute against sglang-router and Envoy's round-robin and
+# ring-hash; no overhead step (`make overhead`). The old Mooncake quick run:
+# bench/run.py --preset quick --scenario conversation.
+BENCH_SCENARIOS_POLICIES := kvroute,sglang-cache-aware,envoy-round-robin,envoy-ring-hash
+
+.PHONY: bench-scenarios
+bench-scenarios: bench-deps
+	$(BENCH_PY) bench/run.py --preset quick --scenario shared-context,agentic,docqa --split heldout \
+		--policies $(BENCH_SCENARIOS_POLICIES) --no-overhead --name scenarios $(BENCH_ARGS)
 
 .PHONY: bench-quick
-bench-quick: bench-deps
-	$(BENCH_PY) bench/run.py --preset quick $(BENCH_ARGS)
+bench-quick: bench-scenarios
 
 # Only the proxy-overhead step (about a minute): latency direct, through Envoy, through Envoy
 # with kvroute, warm and cold prompts of 1k-128k tokens, interleaved; results in
