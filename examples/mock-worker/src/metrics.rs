@@ -47,11 +47,20 @@ pub struct Metrics {
     pub lag_seconds: f64,
 }
 
+/// The routes that tokenize without the engine (`mock:tokenize_requests_total{route}`).
+pub const PREPARE_ROUTES: [&str; 3] = [
+    "/tokenize",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
+];
+
 pub struct Info<'a> {
     pub model: &'a str,
     pub block_size: usize,
     pub kv_blocks: usize,
     pub name: &'a str,
+    /// Successful requests per route of `PREPARE_ROUTES`.
+    pub prepared: [u64; PREPARE_ROUTES.len()],
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -164,6 +173,16 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
         family(&mut o, name, "counter", help);
         let _ = writeln!(o, "{name}{{{l}}} {v}");
     }
+    let name = "mock:tokenize_requests_total";
+    family(
+        &mut o,
+        name,
+        "counter",
+        "Requests answered by /tokenize and the render endpoints (tokenized without the engine).",
+    );
+    for (route, v) in PREPARE_ROUTES.iter().zip(info.prepared) {
+        let _ = writeln!(o, "{name}{{{l},route=\"{route}\"}} {v}");
+    }
     family(
         &mut o,
         "vllm:cache_config_info",
@@ -223,6 +242,7 @@ mod tests {
                 block_size: 16,
                 kv_blocks: 16384,
                 name: "w",
+                prepared: [4, 0, 1],
             },
         );
         for needle in [
@@ -234,6 +254,8 @@ mod tests {
             "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",model_name=\"m\",num_gpu_blocks=\"16384\"} 1",
             "vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 0",
             "mock:kv_evicted_blocks_total{engine=\"0\",model_name=\"m\"} 5",
+            "mock:tokenize_requests_total{engine=\"0\",model_name=\"m\",route=\"/tokenize\"} 4",
+            "mock:tokenize_requests_total{engine=\"0\",model_name=\"m\",route=\"/v1/chat/completions/render\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.04\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"80\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"+Inf\"} 2",

@@ -55,6 +55,9 @@ struct Ctx {
     client: Client<HttpConnector, Full<Bytes>>,
     warned_no_decode: AtomicBool,
     seq: AtomicU64,
+    /// Requests answered by `/tokenize` and the two render routes, in `metrics::PREPARE_ROUTES`
+    /// order: what shows that a router (vllm-router's cache_aware) tokenizes through us.
+    prepared: [AtomicU64; metrics::PREPARE_ROUTES.len()],
 }
 
 /// A running server (used by `main` and by in-process tests).
@@ -88,6 +91,7 @@ pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
         client,
         warned_no_decode: AtomicBool::new(false),
         seq: AtomicU64::new(0),
+        prepared: Default::default(),
     });
     // The engine loop gets its own OS thread (with its own timer runtime) so that hundreds of
     // busy connections cannot delay a pass: the kernel wakes the mostly-sleeping engine thread
@@ -208,6 +212,7 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
                     block_size: cfg.block_size,
                     kv_blocks: cfg.kv_blocks,
                     name,
+                    prepared: ctx.prepared.each_ref().map(|c| c.load(Ordering::Relaxed)),
                 };
                 metrics::render(&st.metrics, st.load(), &info)
             };
@@ -309,6 +314,7 @@ async fn tokenize(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
         // Ids are hashes of text pieces, with no vocabulary to print them from.
         "token_strs": null,
     });
+    ctx.prepared[0].fetch_add(1, Ordering::Relaxed);
     respond(StatusCode::OK, "application/json", out.to_string(), name)
 }
 
@@ -362,6 +368,8 @@ async fn render(req: Request<Incoming>, ctx: &Ctx, kind: Kind) -> Response<RespB
         Kind::Chat => out.pop().unwrap_or_default(),
         Kind::Completion => serde_json::Value::Array(out),
     };
+    let route = if kind == Kind::Chat { 2 } else { 1 };
+    ctx.prepared[route].fetch_add(1, Ordering::Relaxed);
     respond(StatusCode::OK, "application/json", out.to_string(), name)
 }
 

@@ -786,6 +786,151 @@ async fn context_length_limits_and_default_max_tokens_as_vllm() {
     assert_eq!(models["data"][0]["max_model_len"], 128);
 }
 
+/// The mock's own token ids for `text` (what its prefix cache hashes), as JSON.
+fn engine_ids(text: &str) -> Value {
+    json!(mock_worker::tokenizer::encode(text))
+}
+
+/// A labelled series of the Prometheus text, e.g. `name{...,route="/tokenize"}`.
+fn series(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{') && l.contains(label))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} with {label} missing"))
+}
+
+/// What vllm-router 0.1.17's `cache_aware` policy sends to every worker before it routes a
+/// request over HTTP: the request body itself (with the fields it adds) to the render route of
+/// its API, and after a 404 there a minimal `/tokenize` body. The ids it gets back must be the
+/// ids this worker caches, and the chat form must tokenize the prompt the chat template renders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_preparation_bodies_get_the_cached_ids() {
+    let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
+    let prompt = text(31, 400);
+    let ids = engine_ids(&prompt);
+    let n = ids.as_array().unwrap().len() as u64;
+
+    // Completions: render (a list, one entry per prompt), then the /tokenize fallback.
+    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 64, "stream": true,
+        "stream_options": {"include_usage": true}, "echo": false, "no_stop_trim": false,
+        "ignore_eos": false, "skip_special_tokens": true, "return_hidden_states": false});
+    let r = post(w.addr, "/v1/completions/render", &body.to_string(), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = r.json();
+    assert_eq!(r.as_array().unwrap().len(), 1);
+    assert_eq!(r[0]["token_ids"], ids);
+    assert_eq!(r[0]["stream"], true);
+    let t = post(
+        w.addr,
+        "/tokenize",
+        &json!({"model": "mock-model", "prompt": prompt}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(t["tokens"], ids);
+    assert_eq!(t["count"], n);
+
+    // The engine caches exactly these ids: serve the text, then send the ids as the prompt.
+    let first = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(first["usage"]["prompt_tokens"], n);
+    let again = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        (n - 1) / 16 * 16
+    );
+
+    // Chat: the ids of the prompt the mock's chat template renders, whichever route asks.
+    let msgs = json!([{"role": "system", "content": text(32, 60)},
+                      {"role": "user", "content": text(33, 200)}]);
+    let rendered = mock_worker::api::render_chat(msgs.as_array().unwrap(), None, true).unwrap();
+    let chat_ids = engine_ids(&rendered);
+    let cn = chat_ids.as_array().unwrap().len() as u64;
+    let cbody = json!({"model": "mock-model", "messages": msgs, "stream": true,
+        "stream_options": {"include_usage": true}, "max_tokens": 64, "logprobs": false,
+        "no_stop_trim": false, "ignore_eos": false, "continue_final_message": false,
+        "skip_special_tokens": true, "separate_reasoning": true, "stream_reasoning": true,
+        "return_hidden_states": false, "include_reasoning": true});
+    let cr = post(
+        w.addr,
+        "/v1/chat/completions/render",
+        &cbody.to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(cr.status, 200, "{}", cr.body);
+    assert_eq!(cr.json()["token_ids"], chat_ids);
+    let ct = post(
+        w.addr,
+        "/tokenize",
+        &json!({"model": "mock-model", "continue_final_message": false, "messages": msgs})
+            .to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(ct["tokens"], chat_ids);
+    assert_eq!(ct["count"], cn);
+    // The completion form of the rendered text gives the same ids.
+    let as_text = post(
+        w.addr,
+        "/tokenize",
+        &json!({"prompt": rendered}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(as_text["tokens"], chat_ids);
+    // Serve the chat, then its rendered text as a completion: every full block is a hit.
+    let chat = post(
+        w.addr,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(chat["usage"]["prompt_tokens"], cn);
+    let same = post(
+        w.addr,
+        "/v1/completions",
+        &json!({"prompt": rendered, "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .await
+    .json();
+    assert_eq!(
+        same["usage"]["prompt_tokens_details"]["cached_tokens"],
+        (cn - 1) / 16 * 16
+    );
+
+    // Counted per route; none of it reached the engine (only the four inference requests).
+    let m = get(w.addr, "/metrics").await.body;
+    let name = "mock:tokenize_requests_total";
+    assert_eq!(series(&m, name, "route=\"/tokenize\""), 3.0);
+    assert_eq!(series(&m, name, "route=\"/v1/completions/render\""), 1.0);
+    assert_eq!(
+        series(&m, name, "route=\"/v1/chat/completions/render\""),
+        1.0
+    );
+    assert_eq!(metric(&m, "vllm:request_success_total"), 4.0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_and_render_give_the_ids_the_engine_caches() {
     let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
