@@ -170,6 +170,9 @@ pub struct ScoringConfig {
     /// decode step attends over each request's whole context, so a worker decoding many long
     /// requests is slower for the next one even when they share a prefix in memory.
     pub decode_weight: f64,
+    /// Weight of writing again blocks another worker already holds, times the writer's cache
+    /// pressure: under eviction pressure a duplicate pushes out content no one else holds.
+    pub duplicate_weight: f64,
     /// Share of a worker's KV above which every further block held costs as much as a block
     /// of prefill (preemption and eviction of cached prefixes start there).
     pub kv_watermark: f64,
@@ -187,6 +190,7 @@ impl Default for ScoringConfig {
             recompute_weight: 1.0,
             recompute_weight_max: 8.0,
             decode_weight: 0.05,
+            duplicate_weight: 2.0,
             kv_watermark: 0.9,
         }
     }
@@ -461,6 +465,7 @@ impl Config {
             ("scoring.recompute_weight", s.recompute_weight),
             ("scoring.recompute_weight_max", s.recompute_weight_max),
             ("scoring.decode_weight", s.decode_weight),
+            ("scoring.duplicate_weight", s.duplicate_weight),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(err(name, "must be a finite number >= 0"));

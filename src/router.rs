@@ -412,11 +412,11 @@ impl Router {
         if n == 0 {
             return Vec::new();
         }
-        let fleet = select::fleet_waiting(cands);
+        let pool = select::Pool::of(cands);
         let mut rest: Vec<(f64, WorkerId)> = cands
             .iter()
             .filter(|c| c.id != chosen && c.load.healthy)
-            .map(|c| (select::cost(&self.sel, c, shape, fleet), c.id))
+            .map(|c| (select::cost(&self.sel, c, shape, &pool), c.id))
             .collect();
         rest.sort_by(|a, b| a.0.total_cmp(&b.0));
         rest.into_iter().take(n).map(|(_, w)| w).collect()

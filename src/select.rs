@@ -7,6 +7,8 @@
 //!                    + uncached)                                          the wait for it
 //!   recompute = s * uncached * min(recompute_weight_max, recompute_weight *
 //!                 requests waiting for prefill there, or on the pool's median worker if more)
+//!   duplicate = s * duplicate_weight * blocks cached on another worker but not here
+//!                 * (recently written / kv_blocks)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
@@ -34,6 +36,7 @@ pub struct SelectParams {
     pub recompute_weight_max: f64,
     pub decode_weight: f64,
     pub kv_watermark: f64,
+    pub duplicate_weight: f64,
     /// Prefill tokens one waiting request's fixed overhead is worth
     /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
     pub request_overhead_tokens: f64,
@@ -103,6 +106,7 @@ impl SelectParams {
             recompute_weight_max: cfg.scoring.recompute_weight_max,
             decode_weight: cfg.scoring.decode_weight,
             kv_watermark: cfg.scoring.kv_watermark,
+            duplicate_weight: cfg.scoring.duplicate_weight,
             request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
                 * cfg.load.prefill_tokens_per_s
                 / 1000.0,
@@ -114,33 +118,48 @@ impl SelectParams {
     }
 }
 
-/// Requests waiting for prefill on the median worker among `cands` that may take a request:
-/// how scarce prefill capacity is across the pool, untouched by one hot worker's queue.
-pub fn fleet_waiting(cands: &[Candidate]) -> u32 {
-    let mut w: Vec<u32> = cands
-        .iter()
-        .filter(|c| c.load.healthy)
-        .map(|c| c.load.prefilling)
-        .collect();
-    if w.is_empty() {
-        return 0;
+/// What the cost of one worker depends on beyond that worker: the pool as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Pool {
+    /// Requests waiting for prefill on the median healthy worker: how scarce prefill capacity
+    /// is across the pool, untouched by one hot worker's queue.
+    pub waiting: u32,
+    /// The longest cached prefix any worker holds for this request, in tokens.
+    pub best_overlap_tokens: u32,
+}
+
+impl Pool {
+    pub fn of(cands: &[Candidate]) -> Pool {
+        let mut w: Vec<u32> = cands
+            .iter()
+            .filter(|c| c.load.healthy)
+            .map(|c| c.load.prefilling)
+            .collect();
+        let mid = w.len().saturating_sub(1) / 2;
+        let waiting = if w.is_empty() {
+            0
+        } else {
+            w.select_nth_unstable(mid);
+            w.get(mid).copied().unwrap_or(0)
+        };
+        Pool {
+            waiting,
+            best_overlap_tokens: cands.iter().map(|c| c.overlap_tokens).max().unwrap_or(0),
+        }
     }
-    let mid = (w.len() - 1) / 2;
-    w.select_nth_unstable(mid);
-    w.get(mid).copied().unwrap_or(0)
 }
 
 /// Weight of the prefill `c` would recompute, on top of the wait it causes: recomputed work
 /// delays whoever queues behind it, and a queue grows as utilisation / (1 - utilisation), so
-/// the requests waiting for prefill on `c`, or on the median worker if more (`fleet`, from
-/// [`fleet_waiting`]), stand for that delay. With idle workers around a prefix is recomputed
+/// the requests waiting for prefill on `c`, or on the pool's median worker if more
+/// (`fleet`, [`Pool::waiting`]), stand for that delay. With idle workers around a prefix is recomputed
 /// for free; a busy fleet keeps each prefix where it is cached.
 pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
     (p.recompute_weight * f64::from(c.load.prefilling.max(fleet))).min(p.recompute_weight_max)
 }
 
-/// Cost of sending request `r` to `c`; `fleet` is [`fleet_waiting`] of the pool.
-pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, fleet: u32) -> f64 {
+/// Cost of sending request `r` to `c`, one of the candidates `pool` was made of.
+pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f64 {
     let bs = f64::from(p.block_size.max(1));
     let kv = f64::from(c.kv_blocks.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
@@ -167,7 +186,18 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, fleet: u32) -> f6
     // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
     // uncapped value would let write volume outweigh cache hits at high request rates.
     let pressure = (c.load.fresh_blocks / kv).min(1.0);
-    p.prefill_load_scale * (prefill + recompute_factor(p, c, fleet) * uncached)
+    // Blocks another worker already holds that this one would write again: under eviction
+    // pressure a duplicate pushes out content nobody else holds, which some later request
+    // will recompute; without pressure the space is free.
+    let duplicate = f64::from(
+        pool.best_overlap_tokens
+            .min(r.prompt_tokens)
+            .saturating_sub(c.overlap_tokens),
+    ) / bs;
+    p.prefill_load_scale
+        * (prefill
+            + recompute_factor(p, c, pool.waiting) * uncached
+            + p.duplicate_weight * duplicate * pressure)
         + decode
         + memory
         + p.cache_balance * written * pressure
@@ -204,11 +234,11 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
             !any_healthy || c.load.healthy
         }
     };
-    let fleet = fleet_waiting(cands);
+    let pool = Pool::of(cands);
     let mut best: Vec<(usize, f64)> = Vec::with_capacity(cands.len());
     for (i, c) in cands.iter().enumerate() {
         if eligible(c) {
-            best.push((i, cost(p, c, r, fleet)));
+            best.push((i, cost(p, c, r, &pool)));
         }
     }
     let Some(i) = choose(p.temperature, &best, rng) else {
@@ -542,15 +572,18 @@ mod tests {
             ..SelectParams::default()
         };
         let r = shape(1600);
-        let cold = cost(&p, &cand(0, 0, idle()), &r, 0);
-        let warm = cost(&p, &cand(1, 100, idle()), &r, 0);
+        let cold = cost(&p, &cand(0, 0, idle()), &r, &Pool::default());
+        let warm = cost(&p, &cand(1, 100, idle()), &r, &Pool::default());
         assert!(warm < cold);
         let q = SelectParams {
             staged_decode: false,
             cache_balance: 0.0,
             ..SelectParams::default()
         };
-        assert!(cost(&q, &cand(1, 100, idle()), &r, 0) < cost(&q, &cand(0, 0, idle()), &r, 0));
+        assert!(
+            cost(&q, &cand(1, 100, idle()), &r, &Pool::default())
+                < cost(&q, &cand(0, 0, idle()), &r, &Pool::default())
+        );
     }
 
     /// The holder of a 1600-token prefix has 3200 tokens of prefill queued; the other workers
@@ -577,11 +610,11 @@ mod tests {
             cand(1, 0, queued(3, 1000.0)),
             cand(2, 0, queued(3, 1000.0)),
         ];
-        assert_eq!(fleet_waiting(&high), 3);
+        assert_eq!(Pool::of(&high).waiting, 3);
         assert_eq!(recompute_factor(&p, &high[1], 0), 3.0);
         // A cold worker with no queue of its own still pays the fleet's scarcity.
         assert_eq!(
-            recompute_factor(&p, &cand(3, 0, idle()), fleet_waiting(&high)),
+            recompute_factor(&p, &cand(3, 0, idle()), Pool::of(&high).waiting),
             3.0
         );
         for seed in 0..10 {
@@ -633,6 +666,32 @@ mod tests {
         assert_ne!(picked(pick(&p, &cands, &r, &mut Rng::new(1))).id, 0);
     }
 
+    /// A document cached on a worker with one request queued: an idle worker with room in
+    /// its cache may copy it (same wait, space is free), one whose cache is churning may not.
+    #[test]
+    fn duplicates_cost_only_under_eviction_pressure() {
+        let p = SelectParams {
+            cache_balance: 0.0,
+            ..SelectParams::default()
+        };
+        let holder = WorkerView {
+            prefilling: 1,
+            inflight: 1,
+            prefill_tokens: 1600.0,
+            ..idle()
+        };
+        let churning = WorkerView {
+            fresh_blocks: 2000.0,
+            ..idle()
+        };
+        let r = shape(1600);
+        let roomy = [cand(0, 100, holder), cand(1, 0, idle())];
+        assert_eq!(Pool::of(&roomy).best_overlap_tokens, 1600);
+        assert_eq!(picked(pick(&p, &roomy, &r, &mut Rng::new(1))).id, 1);
+        let full = [cand(0, 100, holder), cand(1, 0, churning)];
+        assert_eq!(picked(pick(&p, &full, &r, &mut Rng::new(1))).id, 0);
+    }
+
     /// Above the watermark every further block held costs a block of prefill.
     #[test]
     fn memory_counts_only_above_the_watermark() {
@@ -646,10 +705,12 @@ mod tests {
             ..idle()
         };
         let r = shape(160);
-        let base = cost(&p, &cand(0, 0, idle()), &r, 0);
-        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r, 0), base);
+        let base = cost(&p, &cand(0, 0, idle()), &r, &Pool::default());
+        assert_eq!(cost(&p, &cand(0, 0, held(800)), &r, &Pool::default()), base);
         // 950 held + 10 new against 900 allowed.
-        assert!((cost(&p, &cand(0, 0, held(950)), &r, 0) - base - 60.0).abs() < 1e-9);
+        assert!(
+            (cost(&p, &cand(0, 0, held(950)), &r, &Pool::default()) - base - 60.0).abs() < 1e-9
+        );
     }
 
     #[test]

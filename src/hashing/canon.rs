@@ -10,14 +10,18 @@
 //!              [0x03 len tool_call_id]
 //!              content*                           in order; empty texts omitted
 //!              [0x06 canon(tool_calls)]           only when non-empty
-//! content    = 0x04 len text                      string content or a text part
+//! content    = 0x04 text 0xFF                     string content or a text part
+//!                                                 (0xFF never occurs in UTF-8)
 //!            | 0x05 len kind digest_le64          any other part
 //! canon(v)   = compact JSON, object keys sorted by bytes, serde_json's escaping
 //! ```
 //!
 //! Each turn's bytes depend on that message alone, so the stream of a conversation is a
 //! byte prefix of the stream of any continuation, and blocks inside it hash the same.
-//! Every field is tagged and either length-prefixed or self-delimiting JSON, so two
+//! Text is terminated, not length-prefixed, so two messages that start with the same
+//! document and end with different questions share the document's blocks, as they share
+//! its KV in an engine that renders the message through its chat template.
+//! Every field is tagged and either length-prefixed, terminated or self-delimiting JSON, so two
 //! different conversations never produce the same stream. String content and a single
 //! text part produce the same bytes, as do null, missing, `""` and `[]` content: engines
 //! render them the same way.
@@ -36,6 +40,8 @@ const TOOL_CALL_ID: u8 = 0x03;
 const TEXT: u8 = 0x04;
 const OTHER_PART: u8 = 0x05;
 const TOOL_CALLS: u8 = 0x06;
+/// Ends a text; no UTF-8 string contains this byte.
+const END_TEXT: u8 = 0xFF;
 
 pub(super) fn write_chat<S: Sink>(out: &mut S, messages: &[Message<'_>], tools: &[Value]) {
     // Tools and tool calls are small; serialising them into one reused buffer first turns
@@ -100,7 +106,9 @@ fn write_turn<S: Sink>(out: &mut S, json: &mut Vec<u8>, m: &Message<'_>) {
 
 fn put_text<S: Sink>(out: &mut S, text: &str) {
     if !text.is_empty() {
-        put_field(out, TEXT, text.as_bytes());
+        out.put(&[TEXT]);
+        out.put(text.as_bytes());
+        out.put(&[END_TEXT]);
     }
 }
 

@@ -318,21 +318,53 @@ fn canonical_stream_format() {
     };
     let mut want = Vec::new();
     want.extend_from_slice(b"\x1d[{\"a\":\"x\",\"b\":1}]");
-    want.extend_from_slice(b"\x1e\x01\x04user\x02\x01n\x04\x02hi\x05\x09image_url");
+    want.extend_from_slice(b"\x1e\x01\x04user\x02\x01n\x04hi\xff\x05\x09image_url");
     want.extend_from_slice(&digest.to_le_bytes());
     want.extend_from_slice(b"\x1e\x01\x09assistant\x06[{\"id\":\"c\"}]");
-    want.extend_from_slice(b"\x1e\x01\x04tool\x03\x01c\x04\x02ok");
+    want.extend_from_slice(b"\x1e\x01\x04tool\x03\x01c\x04ok\xff");
     assert_eq!(canonical_stream(&req), want);
 }
 
 #[test]
 fn long_lengths_use_several_varint_bytes() {
-    let text = "y".repeat(300);
-    let body = format!(r#"{{"messages":[{{"role":"u","content":"{text}"}}]}}"#);
+    let name = "y".repeat(300);
+    let body = format!(r#"{{"messages":[{{"role":"u","name":"{name}"}}]}}"#);
     let req = parse(ApiKind::ChatCompletions, body.as_bytes()).unwrap();
     let stream = canonical_stream(&req);
-    assert_eq!(&stream[..7], b"\x1e\x01\x01u\x04\xac\x02");
+    assert_eq!(&stream[..7], b"\x1e\x01\x01u\x02\xac\x02");
     assert_eq!(stream.len(), 7 + 300);
+}
+
+/// RAG and document Q&A put the document and the question in one user message; the engine
+/// caches the document's KV for every question, so its blocks must hash the same.
+#[test]
+fn messages_that_start_with_the_same_document_share_its_blocks() {
+    let p = HashParams::default();
+    let doc = "lorem ipsum dolor sit amet ".repeat(200);
+    let ask = |q: &str| {
+        let body = format!(
+            r#"{{"messages":[{{"role":"system","content":"Answer briefly."}},
+                {{"role":"user","content":"Document: {doc}\nQuestion: {q}"}}]}}"#
+        );
+        prompt_hashes(
+            &parse(ApiKind::ChatCompletions, body.as_bytes()).unwrap(),
+            &p,
+        )
+    };
+    let long_question = "and what happened after that, in detail? ".repeat(8);
+    let (a, b) = (ask("who?"), ask(&long_question));
+    let doc_blocks = doc.len() / (p.block_size as usize * 4);
+    let shared = a
+        .blocks
+        .iter()
+        .zip(&b.blocks)
+        .take_while(|(x, y)| x == y)
+        .count();
+    assert!(shared + 1 >= doc_blocks, "{shared} of {doc_blocks}");
+    assert!(
+        b.blocks.len() > shared + 2,
+        "the question's own blocks differ"
+    );
 }
 
 #[test]
