@@ -542,7 +542,8 @@ def summary_markdown(res):
           "exactly the requests sent (loadgen re-tokenizes every prompt as the mock does and hashes 16-token "
           "blocks), over the whole run (compare with the engines' hit rate, `*`) and after the warm-up.", "",
           "## Summary (TTFT simulated s; hit rate; max/mean requests per worker)", "",
-          "| scenario | policy | " + " | ".join(f"load {i + 1}: rps | TTFT p50 / p90 | hit | max/mean" for i in range(nl)) + " |",
+          "| scenario | policy | " + " | ".join(f"load {i + 1} (offered rps) | TTFT p50 / p90 | hit | max/mean"
+                                             for i in range(nl)) + " |",
           "|---|---|" + "---|---|---|---|" * nl]
     for n, s in sc:
         c = s["config"]
@@ -555,12 +556,13 @@ def summary_markdown(res):
                 if not x:
                     cells.append(f"{c['load_name']} {sp:g} | - | - | -")
                     continue
+                load = f"{c['load_name']} {sp:g} ({x['offered_rps_sim']:.1f})"
                 hs = "*" if x.get("hit_rate_source") == "engine" else ""
                 err = "" if x["errors"] == 0 else f" ({x['errors']} err)"
-                cells.append(f"{x['offered_rps_sim']:.1f} | {fmt(x['ttft_sim_s']['p50'], 2)} / "
+                cells.append(f"{load} | {fmt(x['ttft_sim_s']['p50'], 2)} / "
                              f"{fmt(x['ttft_sim_s']['p90'], 2)}{err} | {x['hit_rate']:.3f}{hs} | "
                              f"{x['max_over_mean_requests']:.2f}")
-            cells += ["| | |"] * (nl - len(cells))
+            cells += ["- | - | - | -"] * (nl - len(cells))
             L.append(f"| {n} | {pol} | " + " | ".join(cells) + " |")
     return L + [""]
 
@@ -826,6 +828,22 @@ def run_scenario(cfg, policies, rawdir):
             sres["policies"][pol] = {"error": err}
             sres["not_run"][pol] = err
     analyze(cfg, sres)
+    annotate(sres)
+    sres["wall_s"] = time.time() - t0
+    return sres
+
+
+def annotate(sres):
+    """Stamps every run with its scenario, split and seed or slice, and the scenario with its
+    reuse ceiling."""
+    cfg = sres["config"]
+    for p in sres["policies"].values():
+        for r in p.get("runs", {}).values():
+            r.update(scenario=cfg["scenario"], split=cfg["split"], split_label=cfg["split_label"])
+            if cfg["workload"] == "mooncake":
+                r.update(trace=cfg["trace"], start=cfg["start"], count=cfg["count"])
+            else:
+                r["seed"] = cfg["seed"]
     # The infinite-cache ceiling depends only on the requests sent, the same in every run of a
     # split up to the replies' text; the median over runs stands for the scenario.
     for key in ("reuse_ceiling", "reuse_ceiling_all"):
@@ -833,8 +851,29 @@ def run_scenario(cfg, policies, rawdir):
                    if r.get(key) is not None)
         sres[key] = v[len(v) // 2] if v else None
         sres[key + "_range"] = [v[0], v[-1]] if v else None
-    sres["wall_s"] = time.time() - t0
-    return sres
+
+
+def report_only(name):
+    outdir = os.path.join(ROOT, "bench", "results", name)
+    with open(os.path.join(outdir, "results.json")) as f:
+        res = json.load(f)
+    for sres in res["scenarios"].values():
+        annotate(sres)
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_markdown(res, os.path.join(outdir, "results.md"))
+    write_plots(res, outdir)
+
+
+def write_plots(res, outdir):
+    rawdir = os.path.join(outdir, "raw")
+    try:
+        for n, sres in res["scenarios"].items():
+            if sres["policies"]:
+                plot(sres["config"], sres, outdir, os.path.join(rawdir, n), prefix=f"{n}_")
+        plot_overhead(res, outdir)
+    except ImportError as e:
+        log(f"no plots: {e} (run with build/bench-venv/bin/python)")
 
 
 def main():
@@ -860,7 +899,11 @@ def main():
                     "e.g. --enable-prompt-tokens-details or --orca-on-stream")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--only-overhead", action="store_true")
+    ap.add_argument("--report-only", action="store_true",
+                    help="no runs: rewrite results.md and the plots of --name from its results.json")
     a = ap.parse_args()
+    if a.report_only:
+        return report_only(a.name or a.preset)
 
     base = dict(PRESETS[a.preset])
     overrides = {}
@@ -936,13 +979,7 @@ def main():
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     write_markdown(res, os.path.join(outdir, "results.md"))
-    try:
-        for n, sres in res["scenarios"].items():
-            if sres["policies"]:
-                plot(sres["config"], sres, outdir, os.path.join(rawdir, n), prefix=f"{n}_")
-        plot_overhead(res, outdir)
-    except ImportError as e:
-        log(f"no plots: {e} (run with build/bench-venv/bin/python)")
+    write_plots(res, outdir)
     log(f"done in {res['wall_s']:.0f} s: {os.path.relpath(outdir, ROOT)}/results.md")
     with open(os.path.join(outdir, "results.md")) as f:
         print(f.read())
