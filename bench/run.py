@@ -785,7 +785,6 @@ def scenario_config(base, name, split, overrides):
     cfg = dict(base)
     cfg.update(sc["set"])
     cfg.update(scenario=name, split=split, workload=sc["workload"], description=sc["description"],
-               split_label=scenarios.split_label(sc, split),
                load_name="speed" if sc["workload"] == "mooncake" else "rate")
     if sc["workload"] == "mooncake":
         cfg.update(start=sc[split]["start"], count=sc[split]["count"])
@@ -795,6 +794,9 @@ def scenario_config(base, name, split, overrides):
     cfg["speeds"] = list(sc["loads"][:base["n_loads"]])
     cfg["main_speed"] = cfg["speeds"][min(1, len(cfg["speeds"]) - 1)]
     cfg.update(overrides)
+    # The label follows overrides (--count, --set start=... / seed=...).
+    cfg["split_label"] = (f"requests {cfg['start']}..{cfg['start'] + cfg['count'] - 1}" if sc["workload"] == "mooncake"
+                          else f"seed {cfg['seed']}")
     if "speeds" in overrides and "main_speed" not in overrides and cfg["main_speed"] not in cfg["speeds"]:
         cfg["main_speed"] = cfg["speeds"][-1]
     if "warmup" not in overrides:

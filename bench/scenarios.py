@@ -87,10 +87,3 @@ def expected_requests(sc, split):
         return sc[split]["count"]
     return round(sc["sessions"] * (sc["turns"][0] + sc["turns"][1]) / 2)
 
-
-def split_label(sc, split):
-    """The seed or the trace slice of a split, as results.md shows it."""
-    s = sc[split]
-    if sc["workload"] == "mooncake":
-        return f"requests {s['start']}..{s['start'] + s['count'] - 1}"
-    return f"seed {s['seed']}"
