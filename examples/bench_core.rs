@@ -716,7 +716,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
             .iter()
             .map(|c| {
                 (
-                    select::cost(&sp, c, &shape, select::fleet_waiting(&cands)),
+                    select::cost(&sp, c, &shape, &select::Pool::of(&cands)),
                     c.id,
                 )
             })
