@@ -634,6 +634,7 @@ async fn run(a: Args) -> i32 {
         }
     }
     drop(sent);
+    stats::add_tpot(&mut records, a.sim_speedup);
     let gaps = std::mem::take(&mut *ctx.gaps.lock().unwrap());
     let summary = stats::summarize(&a, &records, gaps);
     eprintln!("{}", stats::one_line(&summary));

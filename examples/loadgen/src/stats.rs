@@ -31,6 +31,26 @@ fn dist(mut v: Vec<f64>, scale: f64) -> Value {
     json!({"p50": p(50.0), "p90": p(90.0), "p95": p(95.0), "p99": p(99.0), "max": p(100.0), "mean": mean, "n": v.len()})
 }
 
+/// Time per output token after the first, per request: (e2e - ttft) / (output tokens - 1), as
+/// `tpot` (wall seconds) and `tpot_sim` (simulated seconds, x `sim_speedup`); null for
+/// failed requests and replies of fewer than two tokens.
+pub fn tpot(r: &Value) -> Option<f64> {
+    let (e2e, ttft, n) = (
+        r["e2e"].as_f64()?,
+        r["ttft"].as_f64()?,
+        r["out_tokens"].as_u64()?,
+    );
+    (r["error"].is_null() && n >= 2).then(|| (e2e - ttft).max(0.0) / (n - 1) as f64)
+}
+
+pub fn add_tpot(records: &mut [Value], sim_speedup: f64) {
+    for r in records.iter_mut() {
+        let t = tpot(r);
+        r["tpot"] = json!(t);
+        r["tpot_sim"] = json!(t.map(|x| x * sim_speedup));
+    }
+}
+
 pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> Value {
     let measured: Vec<&Value> = records
         .iter()
@@ -49,6 +69,7 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
     let f = |r: &Value, k: &str| r[k].as_f64();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "ttft")).collect();
     let e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "e2e")).collect();
+    let tpot: Vec<f64> = ok.iter().filter_map(|r| tpot(r)).collect();
     // The mock engine's own timings (absent against a real engine or a non-mock worker).
     let engine_ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_ttft")).collect();
     let engine_e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_e2e")).collect();
@@ -151,6 +172,8 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         "ttft_sim_s": dist(ttft, s),
         "itl_s": dist(itl.clone(), 1.0),
         "itl_sim_s": dist(itl, s),
+        "tpot_s": dist(tpot.clone(), 1.0),
+        "tpot_sim_s": dist(tpot, s),
         "e2e_s": dist(e2e.clone(), 1.0),
         "e2e_sim_s": dist(e2e, s),
         "late_s": dist(late, 1.0),
@@ -395,6 +418,27 @@ pub async fn closed_loop(a: &Args) -> i32 {
         println!("{}", serde_json::to_string_pretty(&out).unwrap());
     }
     0
+}
+
+#[cfg(test)]
+mod tpot_tests {
+    use super::*;
+
+    #[test]
+    fn tpot_is_the_decode_time_per_token_after_the_first() {
+        let mut rs = vec![
+            json!({"e2e": 1.0, "ttft": 0.2, "out_tokens": 5, "error": null}),
+            json!({"e2e": 1.0, "ttft": 0.2, "out_tokens": 1, "error": null}),
+            json!({"e2e": 1.0, "ttft": 0.2, "out_tokens": 5, "error": "boom"}),
+            json!({"e2e": null, "ttft": null, "out_tokens": 0, "error": null}),
+        ];
+        add_tpot(&mut rs, 4.0);
+        assert!((rs[0]["tpot"].as_f64().unwrap() - 0.2).abs() < 1e-9);
+        assert!((rs[0]["tpot_sim"].as_f64().unwrap() - 0.8).abs() < 1e-9);
+        for r in &rs[1..] {
+            assert!(r["tpot"].is_null() && r["tpot_sim"].is_null());
+        }
+    }
 }
 
 #[cfg(test)]
