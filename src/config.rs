@@ -31,6 +31,7 @@ pub struct Config {
     pub load: LoadConfig,
     pub health: HealthConfig,
     pub limits: LimitsConfig,
+    pub metrics: MetricsConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -53,6 +54,7 @@ impl Default for Config {
             load: LoadConfig::default(),
             health: HealthConfig::default(),
             limits: LimitsConfig::default(),
+            metrics: MetricsConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -332,6 +334,38 @@ impl Default for LimitsConfig {
     }
 }
 
+/// Load read from the engines' Prometheus endpoints, for engines that send no ORCA
+/// `endpoint-load-metrics` header (llama.cpp, SGLang, vLLM's streaming responses).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Scrape every worker this often (one VM scrapes and replicates the result); 0 is off.
+    pub poll_ms: u64,
+    /// Path of the engine's Prometheus text endpoint.
+    pub path: String,
+    /// The scrape goes to the Envoy cluster `<worker's cluster><cluster_suffix>`. Empty: the
+    /// worker's own cluster; when that cluster fails over to other workers (envoy/demo.yaml),
+    /// give each worker a cluster of its own endpoint only, e.g. `-metrics`, so a scrape never
+    /// reads another worker's load.
+    pub cluster_suffix: String,
+    /// A scrape not answered within this counts as an error.
+    pub timeout_ms: u64,
+    /// A response body longer than this is not parsed (an error).
+    pub max_bytes: u32,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            poll_ms: 0,
+            path: "/metrics".into(),
+            cluster_suffix: String::new(),
+            timeout_ms: 1_000,
+            max_bytes: 1 << 20,
+        }
+    }
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -507,6 +541,22 @@ impl Config {
         if !(tps.is_finite() && tps > 0.0) {
             return Err(err("load.prefill_tokens_per_s", "must be > 0"));
         }
+        let m = &self.metrics;
+        if m.poll_ms > 0 && m.poll_ms < 50 {
+            return Err(err("metrics.poll_ms", "must be 0 (off) or at least 50"));
+        }
+        if !m.path.starts_with('/') || !is_header_value(&m.path) {
+            return Err(err("metrics.path", "must be a path starting with '/'"));
+        }
+        if !m.cluster_suffix.is_empty() && !is_header_value(&m.cluster_suffix) {
+            return Err(err("metrics.cluster_suffix", "must be header-safe"));
+        }
+        if m.timeout_ms == 0 || m.timeout_ms > 60_000 {
+            return Err(err("metrics.timeout_ms", "must be between 1 and 60000"));
+        }
+        if m.max_bytes == 0 {
+            return Err(err("metrics.max_bytes", "must be at least 1"));
+        }
         Ok(())
     }
 
@@ -618,5 +668,30 @@ mod tests {
         assert!(
             parse(r#"{"workers":[{"name":"a"}],"disaggregation":{"mode":"sideways"}}"#).is_err()
         );
+    }
+
+    #[test]
+    fn metrics_section() {
+        let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
+        assert_eq!(c.metrics.poll_ms, 0);
+        assert_eq!(c.metrics.path, "/metrics");
+        let c =
+            parse(r#"{"workers":[{"name":"a"}],"metrics":{"poll_ms":500,"path":"/m"}}"#).unwrap();
+        assert_eq!((c.metrics.poll_ms, c.metrics.path.as_str()), (500, "/m"));
+        for (json, field) in [
+            (r#"{"poll_ms":10}"#, "metrics.poll_ms"),
+            (r#"{"path":"metrics"}"#, "metrics.path"),
+            (r#"{"path":"/a b"}"#, "metrics.path"),
+            (r#"{"timeout_ms":0}"#, "metrics.timeout_ms"),
+            (r#"{"max_bytes":0}"#, "metrics.max_bytes"),
+            (r#"{"cluster_suffix":"a b"}"#, "metrics.cluster_suffix"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"workers":[{{"name":"a"}}],"metrics":{json}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+        }
+        assert!(parse(r#"{"workers":[{"name":"a"}],"metrics":{"poll":1}}"#).is_err());
     }
 }

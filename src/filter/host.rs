@@ -26,6 +26,14 @@ pub trait Host {
     fn increment_metric(&self, id: u32, n: i64) -> HostResult<()>;
     fn record_metric(&self, id: u32, v: u64) -> HostResult<()>;
     fn set_tick_period(&self, period: Duration) -> HostResult<()>;
+    /// A GET (no body) to an Envoy cluster; the answer arrives in the root context's
+    /// `on_http_call_response` with the returned token.
+    fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> HostResult<u32>;
 }
 
 pub struct ProxyHost;
@@ -73,6 +81,19 @@ impl Host for ProxyHost {
 
     fn set_tick_period(&self, period: Duration) -> HostResult<()> {
         ffi::set_tick_period_ms(u32::try_from(period.as_millis()).unwrap_or(u32::MAX))
+    }
+
+    fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> HostResult<u32> {
+        // Through the SDK, unlike the other calls: its dispatcher must learn the token to
+        // route the answer to the root context (it has no public way to register one). It
+        // panics only on a status Envoy's http_call never returns (Ok, BadArgument for an
+        // unknown cluster, InternalFailure).
+        proxy_wasm::hostcalls::dispatch_http_call(cluster, headers.to_vec(), None, vec![], timeout)
     }
 }
 
@@ -173,5 +194,14 @@ impl Calls {
 
     pub fn set_tick_period(&self, period: Duration) {
         self.ok(self.host.set_tick_period(period));
+    }
+
+    pub fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Option<u32> {
+        self.ok(self.host.http_call(cluster, headers, timeout))
     }
 }

@@ -48,6 +48,7 @@ pub struct WorkerMetrics {
     pub waiting: Id,
     pub healthy: Id,
     pub index_blocks: Id,
+    pub scrape_errors: Id,
 }
 
 #[derive(Clone)]
@@ -79,6 +80,10 @@ pub struct Metrics {
     pub active_requests: Id,
     pub expired_requests: Id,
     pub chars_per_token_milli: Id,
+    /// Engine `/metrics` scrapes that gave a load report, and those that failed.
+    pub scrapes_ok: Id,
+    pub scrapes_error: Id,
+    pub scrape_us: Id,
     pub workers: Vec<WorkerMetrics>,
 }
 
@@ -122,6 +127,11 @@ impl Metrics {
             active_requests: g("kvroute.active_requests"),
             expired_requests: c("kvroute.expired_requests.total"),
             chars_per_token_milli: g("kvroute.chars_per_token_milli"),
+            // kvroute_feedback_total{kind="metrics"} / {kind="metrics_error"}, next to the
+            // ORCA and usage feedback counts.
+            scrapes_ok: c("kvroute.feedback.metrics.total"),
+            scrapes_error: c("kvroute.feedback.metrics_error.total"),
+            scrape_us: h("kvroute.metrics_scrape_us"),
             workers: worker_names
                 .iter()
                 .map(|w| WorkerMetrics {
@@ -134,6 +144,7 @@ impl Metrics {
                     waiting: g(&format!("kvroute.worker.{w}.waiting")),
                     healthy: g(&format!("kvroute.worker.{w}.healthy")),
                     index_blocks: g(&format!("kvroute.worker.{w}.index_blocks")),
+                    scrape_errors: c(&format!("kvroute.worker.{w}.scrape_errors_total")),
                 })
                 .collect(),
         }

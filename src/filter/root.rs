@@ -34,7 +34,21 @@ impl Root {
     }
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let Some(st) = &self.state {
+            if let Ok(mut s) = st.try_borrow_mut() {
+                s.on_scrape(token_id, num_headers, body_size);
+            }
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {

@@ -5,11 +5,15 @@ use super::host::Calls;
 use super::metrics::Metrics;
 use crate::config::{Config, Role};
 use crate::events::{self, Event};
+use crate::feedback::OrcaLoad;
+use crate::ids::WorkerId;
+use crate::prom;
 use crate::replication::{Replicator, SharedBus, Timing};
 use crate::router::Router;
 use crate::steer::Intercept;
-use proxy_wasm::types::LogLevel;
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::rc::Rc;
+use std::time::Duration;
 
 /// Replication messages handled per queue wake-up before yielding back to Envoy.
 const DRAIN_MAX: usize = 4096;
@@ -28,6 +32,33 @@ pub struct State {
     /// Events for the other VMs, sent by `run_deferred`.
     outbox: Vec<Event>,
     wake_pending: bool,
+    poller: Poller,
+}
+
+/// Scrapes of the engines' Prometheus endpoints (config `metrics`). One VM of the process
+/// scrapes at a time (a lease in shared data, taken over when its holder stops renewing it)
+/// and replicates each result as a `Report` event, as if the worker had sent ORCA.
+#[derive(Default)]
+struct Poller {
+    next_ms: u64,
+    /// Calls in flight, at most one per worker: token, worker, sent at (ns).
+    pending: Vec<(u32, WorkerId, u64)>,
+    /// Workers whose last scrape failed (a change is logged once, not every poll).
+    failing: Vec<bool>,
+    lease_key: String,
+}
+
+/// The lease: holder's replica id (u32 LE), valid until (ms, u64 LE).
+fn lease_value(id: u32, until_ms: u64) -> Vec<u8> {
+    let mut v = id.to_le_bytes().to_vec();
+    v.extend_from_slice(&until_ms.to_le_bytes());
+    v
+}
+
+fn read_lease(v: &[u8]) -> Option<(u32, u64)> {
+    let id = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
+    let until = u64::from_le_bytes(v.get(4..12)?.try_into().ok()?);
+    Some((id, until))
 }
 
 /// Raw replication messages kept by a VM that does not route (yet), oldest dropped first.
@@ -111,6 +142,10 @@ impl State {
             backlog: Backlog::default(),
             outbox: Vec::new(),
             wake_pending: false,
+            poller: Poller {
+                lease_key: format!("{ns}/metrics-poller"),
+                ..Poller::default()
+            },
         }
     }
 
@@ -238,6 +273,7 @@ impl State {
             }
         }
         self.drain();
+        self.poll(now);
         let (lost, _) = self.router.tick(now);
         self.metrics.expired_requests.add(lost as u64);
         // Gauges are process-wide and every VM writes them: only VMs that route hold the
@@ -245,6 +281,160 @@ impl State {
         if self.serving {
             self.publish_gauges(now);
         }
+    }
+
+    /// Starts a scrape of every worker when one is due and this VM holds the lease.
+    fn poll(&mut self, now: u64) {
+        let m = &self.router.config().metrics;
+        let (period, timeout_ms) = (m.poll_ms, m.timeout_ms);
+        if period == 0 || now < self.poller.next_ms {
+            return;
+        }
+        self.poller.next_ms = now + period;
+        // The host answers every call, at the latest at its timeout; a call it never
+        // answered (a VM restarted under it) is given up after twice that.
+        let now_ns = self.host.now_ns();
+        let give_up_ns = timeout_ms
+            .saturating_mul(2_000_000)
+            .saturating_add(1_000_000_000);
+        let before = self.poller.pending.len();
+        self.poller
+            .pending
+            .retain(|p| now_ns.saturating_sub(p.2) < give_up_ns);
+        self.metrics
+            .scrapes_error
+            .add((before - self.poller.pending.len()) as u64);
+        if !self.hold_lease(now, period) {
+            return;
+        }
+        let path = m.path.clone();
+        let targets: Vec<(WorkerId, String)> = self
+            .router
+            .config()
+            .workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| {
+                let id = WorkerId::try_from(i).ok()?;
+                Some((id, format!("{}{}", w.cluster_name(), m.cluster_suffix)))
+            })
+            .collect();
+        for (w, cluster) in targets {
+            if self.poller.pending.iter().any(|p| p.1 == w) {
+                continue;
+            }
+            let headers = [
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", cluster.as_str()),
+                ("accept", "text/plain"),
+            ];
+            match self
+                .host
+                .http_call(&cluster, &headers, Duration::from_millis(timeout_ms))
+            {
+                Some(token) => self.poller.pending.push((token, w, now_ns)),
+                None => self.scrape_failed(w, "the call could not start (unknown cluster?)"),
+            }
+        }
+    }
+
+    /// True when this VM is (now) the one that scrapes. Without replication every VM scrapes
+    /// for itself.
+    fn hold_lease(&self, now: u64, period: u64) -> bool {
+        let Some(me) = self.repl.as_ref().map(|r| r.id()) else {
+            return true;
+        };
+        let (cur, cas) = self.bus.get(&self.poller.lease_key);
+        if let Some((owner, until)) = cur.as_deref().and_then(read_lease) {
+            if owner != me && until > now {
+                return false;
+            }
+        }
+        let until = now + period.saturating_mul(3).max(1_000);
+        self.bus
+            .set(&self.poller.lease_key, &lease_value(me, until), cas)
+    }
+
+    /// The answer to a scrape (`on_http_call_response`); `None` headers means no answer
+    /// (timeout, connection failure).
+    pub fn on_scrape(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Some(pos) = self.poller.pending.iter().position(|p| p.0 == token) else {
+            return;
+        };
+        let (_, w, sent_ns) = self.poller.pending.swap_remove(pos);
+        let now_ns = self.host.now_ns();
+        match self.read_scrape(num_headers, body_size) {
+            Ok(load) => {
+                self.metrics.scrapes_ok.inc();
+                self.metrics
+                    .scrape_us
+                    .record(now_ns.saturating_sub(sent_ns) / 1000);
+                let ev = self.router.on_orca(w, &load, now_ns / 1_000_000);
+                self.broadcast(&[ev]);
+                if let Some(f) = self.poller.failing.get_mut(usize::from(w)) {
+                    if core::mem::take(f) {
+                        let name = self.worker_name(w);
+                        self.host.log(
+                            LogLevel::Info,
+                            &format!("kvroute: metrics of worker {name} readable again"),
+                        );
+                    }
+                }
+            }
+            Err(why) => self.scrape_failed(w, why),
+        }
+    }
+
+    fn read_scrape(&self, num_headers: usize, body_size: usize) -> Result<OrcaLoad, &'static str> {
+        if num_headers == 0 {
+            return Err("no answer (timeout, refused or reset)");
+        }
+        let status = self
+            .host
+            .header(MapType::HttpCallResponseHeaders, ":status");
+        if status.as_deref() != Some("200") {
+            return Err("status other than 200");
+        }
+        let max = self.router.config().metrics.max_bytes as usize;
+        if body_size > max {
+            return Err("body longer than metrics.max_bytes");
+        }
+        let body = self
+            .host
+            .buffer(BufferType::HttpCallResponseBody, body_size)
+            .unwrap_or_default();
+        prom::parse_load(&String::from_utf8_lossy(&body))
+            .ok_or("no load metric kvroute knows (llamacpp:, vllm:, sglang:)")
+    }
+
+    fn scrape_failed(&mut self, w: WorkerId, why: &str) {
+        self.metrics.scrapes_error.inc();
+        if let Some(wm) = self.metrics.worker(w) {
+            wm.scrape_errors.inc();
+        }
+        let n = self.router.config().workers.len();
+        if self.poller.failing.len() < n {
+            self.poller.failing.resize(n, false);
+        }
+        if let Some(f) = self.poller.failing.get_mut(usize::from(w)) {
+            if !core::mem::replace(f, true) {
+                let name = self.worker_name(w);
+                self.host.log(
+                    LogLevel::Warn,
+                    &format!("kvroute: scraping the metrics of worker {name} failed: {why}"),
+                );
+            }
+        }
+    }
+
+    fn worker_name(&self, w: WorkerId) -> String {
+        self.router
+            .config()
+            .workers
+            .get(usize::from(w))
+            .map(|c| c.name.clone())
+            .unwrap_or_default()
     }
 
     fn publish_gauges(&self, now: u64) {

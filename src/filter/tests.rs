@@ -35,6 +35,11 @@ struct Fake {
     metrics: Vec<(String, MetricType, i64, Option<u64>)>,
     /// Calls that answer with an error.
     failing: Vec<&'static str>,
+    /// HTTP calls made: token, cluster, headers.
+    calls: Vec<(u32, String, Vec<(String, String)>)>,
+    /// The answer the current `on_http_call_response` reads.
+    call_headers: Vec<(String, Vec<u8>)>,
+    call_body: Vec<u8>,
 }
 
 #[derive(Clone, Default)]
@@ -53,6 +58,7 @@ impl FakeHost {
 fn map(f: &mut Fake, m: MapType) -> &mut Vec<(String, Vec<u8>)> {
     match m {
         MapType::HttpResponseHeaders => &mut f.response,
+        MapType::HttpCallResponseHeaders => &mut f.call_headers,
         _ => &mut f.request,
     }
 }
@@ -85,6 +91,7 @@ impl Host for FakeHost {
             BufferType::HttpRequestBody => &f.request_body,
             BufferType::HttpResponseBody => &f.response_chunk,
             BufferType::PluginConfiguration => &f.plugin_config,
+            BufferType::HttpCallResponseBody => &f.call_body,
             _ => return Ok(None),
         };
         let end = b.len().min(start.saturating_add(max));
@@ -144,6 +151,23 @@ impl Host for FakeHost {
 
     fn set_tick_period(&self, _period: Duration) -> HostResult<()> {
         Ok(())
+    }
+
+    fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        _timeout: Duration,
+    ) -> HostResult<u32> {
+        self.fails("http_call")?;
+        let mut f = self.0.borrow_mut();
+        let token = 100 + f.calls.len() as u32;
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        f.calls.push((token, cluster.to_string(), headers));
+        Ok(token)
     }
 }
 
@@ -908,4 +932,127 @@ fn vms_of_a_reordered_configuration_never_join_the_old_ones() {
     assert_eq!(peers(&fa), Some(1));
     assert_eq!(peers(&fc), Some(1));
     assert_eq!(peers(&fb), Some(0));
+}
+
+const POLL: &str =
+    r#","disaggregation":{"threshold_tokens":0},"metrics":{"poll_ms":500,"cluster_suffix":"-m"}"#;
+
+const LLAMA_METRICS: &str = "# TYPE llamacpp:requests_processing gauge\n\
+    llamacpp:requests_processing 3\nllamacpp:requests_deferred 2\n";
+
+impl Vm {
+    /// Answers the scrape with `token`: a status and body, or no answer at all (`None`).
+    fn scrape_answer(&self, token: u32, answer: Option<(&str, &str)>) {
+        let (n, size) = {
+            let mut f = self.f();
+            match answer {
+                Some((status, body)) => {
+                    f.call_headers = vec![(":status".into(), status.into())];
+                    f.call_body = body.as_bytes().to_vec();
+                    (1, body.len())
+                }
+                None => {
+                    f.call_headers.clear();
+                    f.call_body.clear();
+                    (0, 0)
+                }
+            }
+        };
+        self.state.borrow_mut().on_scrape(token, n, size);
+    }
+
+    fn calls(&self) -> Vec<(u32, String)> {
+        self.f().calls.iter().map(|c| (c.0, c.1.clone())).collect()
+    }
+
+    fn waiting(&self, w: u16) -> Option<u32> {
+        let now = self.host.now_ms();
+        let s = self.state.borrow();
+        s.router.worker_view(w, now).report.map(|r| r.waiting)
+    }
+}
+
+#[test]
+fn one_vm_scrapes_engine_metrics_and_replicates_the_load() {
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(POLL, Box::new(Process(Rc::clone(&bus))));
+    let b = Vm::with_bus(POLL, Box::new(Process(Rc::clone(&bus))));
+    b.state.borrow_mut().start_serving();
+    a.state.borrow_mut().tick();
+    b.state.borrow_mut().tick();
+    let calls = a.calls();
+    assert_eq!(
+        calls.iter().map(|c| c.1.as_str()).collect::<Vec<_>>(),
+        ["pool-d0-m", "pool-d1-m", "p0-m"]
+    );
+    assert!(b.calls().is_empty(), "a holds the lease");
+    let f = a.f();
+    let h = &f.calls[0].2;
+    assert!(h.contains(&(":path".into(), "/metrics".into())));
+    assert!(h.contains(&(":method".into(), "GET".into())));
+    drop(f);
+
+    a.f().now_ns += 3_000_000;
+    a.scrape_answer(calls[0].0, Some(("200", LLAMA_METRICS)));
+    assert_eq!(a.waiting(0), Some(2));
+    assert_eq!(a.counter("kvroute.feedback.metrics.total"), 1);
+    assert_eq!(a.recorded("kvroute.metrics_scrape_us"), Some(3000));
+    a.state.borrow_mut().drain();
+    b.state.borrow_mut().drain();
+    assert_eq!(b.waiting(0), Some(2), "the report reached the other VM");
+
+    // Failures: no answer, an error status, a page without load metrics; logged once.
+    a.scrape_answer(calls[1].0, None);
+    a.scrape_answer(calls[2].0, Some(("503", LLAMA_METRICS)));
+    a.scrape_answer(calls[2].0, Some(("200", LLAMA_METRICS)));
+    assert_eq!(a.counter("kvroute.feedback.metrics_error.total"), 2);
+    assert_eq!(a.counter("kvroute.worker.d1.scrape_errors_total"), 1);
+    assert_eq!(a.waiting(1), None);
+
+    // The next poll skips nothing (all answered) and reads a body of another engine.
+    a.f().now_ns += 500_000_000;
+    a.state.borrow_mut().tick();
+    let next = a.calls();
+    assert_eq!(next.len(), 6);
+    a.scrape_answer(next[4].0, Some(("200", "<html>not here</html>")));
+    a.scrape_answer(next[4].0, Some(("200", LLAMA_METRICS)));
+    assert_eq!(a.counter("kvroute.worker.d1.scrape_errors_total"), 2);
+    let warns = a
+        .f()
+        .logs
+        .iter()
+        .filter(|(l, m)| *l == LogLevel::Warn && m.contains("worker d1"))
+        .count();
+    assert_eq!(warns, 1, "a worker that keeps failing is logged once");
+
+    // a stops renewing its lease (its thread went away): b takes over.
+    b.f().now_ns += 2_100_000_000;
+    b.state.borrow_mut().tick();
+    assert_eq!(b.calls().len(), 3);
+}
+
+#[test]
+fn scrapes_are_bounded_and_off_by_default() {
+    let off = Vm::new(NO_DISAGG);
+    off.state.borrow_mut().tick();
+    assert!(off.calls().is_empty());
+
+    let a = Vm::new(POLL);
+    a.state.borrow_mut().tick();
+    assert_eq!(a.calls().len(), 3);
+    // Unanswered calls are not repeated while they are in flight...
+    a.f().now_ns += 500_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.calls().len(), 3);
+    // ... and are given up (counted) once the host should long have answered.
+    a.f().now_ns += 3_000_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.counter("kvroute.feedback.metrics_error.total"), 3);
+    assert_eq!(a.calls().len(), 6);
+    // A call the host refuses is an error too, not a panic.
+    a.f().failing.push("http_call");
+    a.f().now_ns += 3_500_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.counter("kvroute.feedback.metrics_error.total"), 9);
+    assert_eq!(a.calls().len(), 6);
 }

@@ -1,0 +1,231 @@
+//! Worker load from an engine's Prometheus text exposition (`GET /metrics`), for engines that
+//! send no ORCA `endpoint-load-metrics` header: llama.cpp's llama-server, SGLang, and vLLM on
+//! streaming responses. The filter scrapes each worker on a timer and applies the result like
+//! an ORCA report (`Router::on_orca`).
+//!
+//! Read per engine (other series are ignored):
+//!
+//! | engine | waiting | running | KV usage (0..1) |
+//! |---|---|---|---|
+//! | llama.cpp | `llamacpp:requests_deferred` | `llamacpp:requests_processing` | `llamacpp:kv_cache_usage_ratio` |
+//! | vLLM | `vllm:num_requests_waiting` | `vllm:num_requests_running` | `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.10) |
+//! | SGLang | `sglang:num_queue_reqs` | `sglang:num_running_reqs` | `sglang:token_usage` |
+//!
+//! Several series of one metric (labels: one per model, or per data-parallel rank) add up for
+//! the request counts; KV usage takes the highest. Input is whatever the upstream sent: the
+//! parser never panics, skips lines it cannot read and ignores NaN, infinities and negative
+//! values.
+
+use crate::feedback::OrcaLoad;
+
+/// Which figure of the load report a metric feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Waiting,
+    Running,
+    KvUsage,
+}
+
+const KNOWN: &[(&str, Field)] = &[
+    ("llamacpp:requests_deferred", Field::Waiting),
+    ("llamacpp:requests_processing", Field::Running),
+    ("llamacpp:kv_cache_usage_ratio", Field::KvUsage),
+    ("vllm:num_requests_waiting", Field::Waiting),
+    ("vllm:num_requests_running", Field::Running),
+    ("vllm:kv_cache_usage_perc", Field::KvUsage),
+    ("vllm:gpu_cache_usage_perc", Field::KvUsage),
+    ("sglang:num_queue_reqs", Field::Waiting),
+    ("sglang:num_running_reqs", Field::Running),
+    ("sglang:token_usage", Field::KvUsage),
+];
+
+/// One sample line: the metric name and its value (labels and timestamp are dropped).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    pub value: f64,
+}
+
+/// Reads one line of the text format: `name[{labels}] value [timestamp]`. Comments, blank
+/// lines and anything malformed give `None`.
+pub fn parse_line(line: &str) -> Option<Sample<'_>> {
+    let line = line.trim_start();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_len = line
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .unwrap_or(line.len());
+    if name_len == 0 {
+        return None;
+    }
+    let (name, rest) = line.split_at_checked(name_len)?;
+    let rest = match rest.strip_prefix('{') {
+        Some(labels) => skip_labels(labels)?,
+        None => rest,
+    };
+    // At least one blank between the name (or labels) and the value.
+    if !rest.starts_with([' ', '\t']) {
+        return None;
+    }
+    let value = rest.split_ascii_whitespace().next()?;
+    let value = value.parse::<f64>().ok()?;
+    Some(Sample { name, value })
+}
+
+/// The text after the closing `}` of a label set that started just before `s`. Label values
+/// are quoted and may contain `}`, `"` escaped as `\"`, and `\\`.
+fn skip_labels(s: &str) -> Option<&str> {
+    let mut quoted = false;
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        if escaped {
+            escaped = false;
+            continue;
+        }
+        match c {
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '}' if !quoted => return s.get(i + 1..),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The load an engine's `/metrics` text describes, or `None` when it holds none of the
+/// series this module knows (another engine, an error page, the wrong path).
+pub fn parse_load(text: &str) -> Option<OrcaLoad> {
+    let mut waiting: Option<f64> = None;
+    let mut running: Option<f64> = None;
+    let mut kv: Option<f64> = None;
+    for line in text.lines() {
+        let Some(s) = parse_line(line) else { continue };
+        let Some(field) = KNOWN.iter().find(|(n, _)| *n == s.name).map(|(_, f)| *f) else {
+            continue;
+        };
+        if !(s.value.is_finite() && s.value >= 0.0) {
+            continue;
+        }
+        match field {
+            Field::Waiting => waiting = Some(waiting.unwrap_or(0.0) + s.value),
+            Field::Running => running = Some(running.unwrap_or(0.0) + s.value),
+            Field::KvUsage => kv = Some(kv.unwrap_or(0.0).max(s.value)),
+        }
+    }
+    let count = |v: f64| v.round().min(f64::from(u32::MAX)) as u32;
+    let out = OrcaLoad {
+        kv_usage: kv.map(|v| v.min(1.0) as f32),
+        waiting: waiting.map(count),
+        running: running.map(count),
+    };
+    (!out.is_empty()).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA: &str = "\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12345
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 3
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+";
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:num_requests_waiting_by_reason{reason="x"} 99
+"#;
+
+    const SGLANG: &str = r#"sglang:num_queue_reqs{model_name="m",tp_rank="0"} 5.0
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0
+sglang:token_usage{model_name="m",tp_rank="0"} 0.75 1700000000000
+"#;
+
+    #[test]
+    fn llama_cpp() {
+        let l = parse_load(LLAMA).unwrap();
+        assert_eq!(l.waiting, Some(2));
+        assert_eq!(l.running, Some(3));
+        assert_eq!(l.kv_usage, None);
+        let with_kv = format!("{LLAMA}llamacpp:kv_cache_usage_ratio 0.125\n");
+        assert_eq!(parse_load(&with_kv).unwrap().kv_usage, Some(0.125));
+    }
+
+    #[test]
+    fn vllm_sums_counts_and_takes_the_highest_usage() {
+        let l = parse_load(VLLM).unwrap();
+        assert_eq!(l.waiting, Some(5));
+        assert_eq!(l.running, Some(7));
+        assert_eq!(l.kv_usage, Some(0.5));
+        let old = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.3\n";
+        assert_eq!(parse_load(old).unwrap().kv_usage, Some(0.3));
+    }
+
+    #[test]
+    fn sglang_with_timestamps() {
+        let l = parse_load(SGLANG).unwrap();
+        assert_eq!(
+            (l.waiting, l.running, l.kv_usage),
+            (Some(5), Some(2), Some(0.75))
+        );
+    }
+
+    #[test]
+    fn labels_with_braces_quotes_and_escapes() {
+        let s = parse_line(r#"vllm:num_requests_waiting{a="}",b="x\"}y",c="\\"} 3"#).unwrap();
+        assert_eq!((s.name, s.value), ("vllm:num_requests_waiting", 3.0));
+        assert_eq!(parse_line(r#"m{a="unterminated} 3"#), None);
+        assert_eq!(parse_line("m{a=\"1\"}3"), None);
+        assert_eq!(parse_line("  m 1e3").map(|s| s.value), Some(1000.0));
+        assert_eq!(parse_line("m +Inf").map(|s| s.value), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn bad_values_and_other_engines_are_ignored() {
+        assert_eq!(parse_load(""), None);
+        assert_eq!(parse_load("<html>404 not found</html>"), None);
+        assert_eq!(parse_load("process_cpu_seconds_total 12\n"), None);
+        let bad = "llamacpp:requests_deferred NaN\nllamacpp:requests_processing -1\n\
+                   llamacpp:kv_cache_usage_ratio +Inf\nllamacpp:requests_deferred\n";
+        assert_eq!(parse_load(bad), None);
+        // Above 1 (a percentage by mistake) is clamped; huge counts saturate.
+        let l = parse_load("sglang:token_usage 75\nsglang:num_queue_reqs 1e300\n").unwrap();
+        assert_eq!((l.kv_usage, l.waiting), (Some(1.0), Some(u32::MAX)));
+    }
+
+    #[test]
+    fn never_panics_on_arbitrary_bytes() {
+        // A cheap deterministic fuzz: every prefix of tricky inputs, and pseudo-random text.
+        let tricky = format!("{LLAMA}{VLLM}{SGLANG}m{{\"\\é}} 1\n\u{0}{{}}\r\n#\n:: 2\n");
+        for end in 0..=tricky.len() {
+            if let Some(t) = tricky.get(..end) {
+                let _ = parse_load(t);
+            }
+        }
+        let alphabet: Vec<char> = "ab:_{}\"\\= \n\t#0123456789.eE+-NaInf,é".chars().collect();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for _ in 0..2000 {
+            let mut s = String::new();
+            for _ in 0..(x % 64) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                s.push(alphabet[(x % alphabet.len() as u64) as usize]);
+            }
+            let _ = parse_load(&s);
+            x = x.wrapping_add(1);
+        }
+    }
+}
