@@ -397,6 +397,7 @@ impl Router {
                     .get(usize::from(w))
                     .map(|c| self.cfg.kv_blocks(c))
                     .unwrap_or(1),
+                indexed_blocks: u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX),
                 load: self.worker_view(w, now_ms),
             })
             .collect()

@@ -8,7 +8,7 @@
 //!   recompute = s * uncached * min(recompute_weight_max, recompute_weight *
 //!                 requests waiting for prefill there, or on the pool's median worker if more)
 //!   duplicate = s * duplicate_weight * blocks cached on another worker but not here
-//!                 * (recently written / kv_blocks)
+//!                 * (indexed blocks / kv_blocks)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
@@ -71,6 +71,8 @@ pub struct Candidate {
     /// Prompt tokens covered by the leading index blocks the worker holds.
     pub overlap_tokens: u32,
     pub kv_blocks: u32,
+    /// Blocks the prefix index believes this worker's cache holds (at most `kv_blocks`).
+    pub indexed_blocks: u32,
     pub load: WorkerView,
 }
 
@@ -186,9 +188,10 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     // Capped at 1: beyond a full turnover the cache holds nothing older to protect, and an
     // uncapped value would let write volume outweigh cache hits at high request rates.
     let pressure = (c.load.fresh_blocks / kv).min(1.0);
-    // Blocks another worker already holds that this one would write again: under eviction
-    // pressure a duplicate pushes out content nobody else holds, which some later request
-    // will recompute; without pressure the space is free.
+    let fullness = (f64::from(c.indexed_blocks) / kv).min(1.0);
+    // Blocks another worker already holds that this one would write again: into a full
+    // cache a duplicate pushes out content nobody else holds, which some later request will
+    // recompute; while the cache has room the copy is free.
     let duplicate = f64::from(
         pool.best_overlap_tokens
             .min(r.prompt_tokens)
@@ -197,7 +200,7 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     p.prefill_load_scale
         * (prefill
             + recompute_factor(p, c, pool.waiting) * uncached
-            + p.duplicate_weight * duplicate * pressure)
+            + p.duplicate_weight * duplicate * fullness)
         + decode
         + memory
         + p.cache_balance * written * pressure
@@ -310,6 +313,7 @@ mod tests {
             id,
             overlap_tokens: overlap * 16,
             kv_blocks: 1000,
+            indexed_blocks: 0,
             load,
         }
     }
@@ -667,7 +671,7 @@ mod tests {
     }
 
     /// A document cached on a worker with one request queued: an idle worker with room in
-    /// its cache may copy it (same wait, space is free), one whose cache is churning may not.
+    /// its cache may copy it (same wait, space is free), one whose cache is full may not.
     #[test]
     fn duplicates_cost_only_under_eviction_pressure() {
         let p = SelectParams {
@@ -680,15 +684,15 @@ mod tests {
             prefill_tokens: 1600.0,
             ..idle()
         };
-        let churning = WorkerView {
-            fresh_blocks: 2000.0,
-            ..idle()
-        };
         let r = shape(1600);
         let roomy = [cand(0, 100, holder), cand(1, 0, idle())];
         assert_eq!(Pool::of(&roomy).best_overlap_tokens, 1600);
         assert_eq!(picked(pick(&p, &roomy, &r, &mut Rng::new(1))).id, 1);
-        let full = [cand(0, 100, holder), cand(1, 0, churning)];
+        let full_cache = Candidate {
+            indexed_blocks: 1000,
+            ..cand(1, 0, idle())
+        };
+        let full = [cand(0, 100, holder), full_cache];
         assert_eq!(picked(pick(&p, &full, &r, &mut Rng::new(1))).id, 0);
     }
 
