@@ -19,6 +19,7 @@ Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for 
 import argparse
 import atexit
 import json
+import math
 import os
 import shutil
 import signal
@@ -66,21 +67,52 @@ COMMON = dict(
     block_tokens=512,  # trace blocks replayed at full size (smaller values scale prompts down)
     max_output=64,
     max_input_tokens=32000,
-    slo_s=2.0,
+    slo_s=2.0,  # the main TTFT SLO (plots, the sweep table)
+    # Goodput (bench/README.md): TTFT SLOs, the TPOT SLO every one of them also requires, the
+    # bisection's tolerance on the load knob, how far it brackets upward (x the highest load of
+    # the sweep) and downward (x the lowest), probes per SLO at most.
+    slos=[0.5, 1.0, 2.0, 4.0],
+    tpot_slo_s=0.1,
+    goodput_tol=0.03,
+    goodput_cap=2.0,
+    goodput_floor=0.5,
+    goodput_max_probes=6,
+    # The SLOs the bisection runs at (the others are read off the sweep): the 2 s headline only
+    # by default, which keeps make bench within 40 min on 2 cores (bench/README.md);
+    # --bisect-slos all for every SLO.
+    bisect_slos=[2.0],
+    # auto also bisects round-robin at 2 s where the 3x target needs it (off by default: time).
+    bisect_rr=False,
     envoy_concurrency=2,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
+    # The oracle is the best, load by load (lowest p90 TTFT), of these (prefill_scale,
+    # held_weight) settings: its envelope.
+    oracle_settings=[[1.0, 0.005], [1.0, 0.02], [1.0, 0.08]],
 )
 # quick: each scenario's first two loads (round-robin near half of its saturation and near it);
 # full: all three. The workload, its seeds or trace slices and the loads come from
 # bench/scenarios.py.
+# goodput: bisect (full; quick with --goodput) or only read the sweep (quick); repeats: runs at
+# each deciding load of the bisection (the first included); bisect: which policies are bisected
+# (auto: kvroute, the best peer at each SLO, round-robin at the 2 s SLO where a target needs it).
 PRESETS = {
-    "quick": dict(COMMON, n_loads=2, overhead_requests=[200, 200, 50, 20], saturate_s=3.0),
-    "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0),
+    "quick": dict(COMMON, n_loads=2, overhead_requests=[200, 200, 50, 20], saturate_s=3.0,
+                  goodput=False, repeats=1, bisect="auto"),
+    "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0,
+                 goodput=True, repeats=2, bisect="auto"),
 }
 POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
+# Run when --policies is not given (the others stay runnable by --policies).
+DEFAULT_POLICIES = ["kvroute", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
+                    "vllm-router-cache-aware", "oracle"]
+# The peers kvroute's targets compare against (issue 11), and the baseline of the 3x target.
+PEERS = ["sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
+# Targets by scenario: goodput >= 1.2x the best peer at the 2 s SLO; >= 3x round-robin at 2 s.
+TARGET_1_2X_PEER = ["shared-context", "agentic", "docqa"]
+TARGET_3X_RR = ["shared-context", "docqa"]
 ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
             "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
 OVERHEAD_SIZES = [1000, 8000, 32000, 128000]
@@ -334,8 +366,19 @@ def workload_args(cfg, load):
             "--think-ms", f"{cfg['think_s'] * 1000 / cfg['speedup']:g}", "--speed", "1"] + list(cfg["loadgen_args"])
 
 
-def run_cell(cfg, policy, speed, rawdir):
-    cell = os.path.join(rawdir, policy, f"load{speed:g}")
+def oracle_label(setting):
+    """The name of one oracle setting (prefill_scale, held_weight), also its raw/ folder."""
+    return f"oracle-ps{setting[0]:g}-hw{setting[1]:g}"
+
+
+def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
+    """One run: fresh fleet, router, loadgen; returns loadgen's summary plus the workers'
+    counters. rep > 0: a repeat of the same point (its own folder); oracle: the oracle's
+    (prefill_scale, held_weight) for this run."""
+    if oracle is not None:
+        cfg = dict(cfg, oracle_prefill_scale=oracle[0], oracle_held_weight=oracle[1])
+    sub = oracle_label(oracle) if oracle is not None else policy
+    cell = os.path.join(rawdir, sub, f"load{speed:g}" + (f"_r{rep}" if rep else ""))
     shutil.rmtree(cell, ignore_errors=True)
     os.makedirs(cell)
     started = list(Procs.live)
@@ -381,9 +424,14 @@ def run_cell(cfg, policy, speed, rawdir):
         else:
             s["hit_rate_source"] = "usage"
         s["wall_s"] = time.time() - t_cell
-        log(f"{cfg['scenario']:>14s} {policy:24s} {cfg['load_name']} {speed:>5g}: {s['ok']}/{s['requests']} ok, "
-            f"offered {s['offered_rps_sim']:.2f} rps(sim), "
-            f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, hit {s['hit_rate']:.3f} "
+        s["load"] = speed
+        s["repeat"] = rep
+        if oracle is not None:
+            s["oracle_setting"] = oracle_label(oracle)
+        log(f"{cfg['scenario']:>14s} {sub:24s} {cfg['load_name']} {speed:>5g}{f' r{rep}' if rep else ''}: "
+            f"{s['ok']}/{s['requests']} ok, offered {s['offered_rps_sim']:.2f} rps(sim), "
+            f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, "
+            f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
             f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall")
         return s
@@ -452,74 +500,376 @@ def run_overhead(cfg, rawdir, have_kvroute):
 
 # ---------------------------------------------------------------- analysis
 
-def goodput(points, slo, max_err=0.01):
-    """Highest offered rate (simulated req/s) whose p90 TTFT <= slo with < 1 % errors, and a
-    linear interpolation to the SLO crossing between that point and the next one."""
-    pts = sorted(points, key=lambda s: s["offered_rps_sim"])
-    def passes(s):
-        p90 = s["ttft_sim_s"]["p90"]
-        return p90 is not None and p90 <= slo and s["errors"] <= max_err * max(1, s["requests"])
-    best, interp = None, None
-    for i, s in enumerate(pts):
-        if passes(s):
-            best = s["offered_rps_sim"]
-            interp = best
-            if i + 1 < len(pts) and not passes(pts[i + 1]) and pts[i + 1]["ttft_sim_s"]["p90"] is not None:
-                a, b = s, pts[i + 1]
-                y0, y1 = a["ttft_sim_s"]["p90"], b["ttft_sim_s"]["p90"]
-                if y1 > y0:
-                    interp = a["offered_rps_sim"] + (slo - y0) / (y1 - y0) * (b["offered_rps_sim"] - a["offered_rps_sim"])
-        else:
-            break  # the first failing rate ends the search (no credit for later lucky points)
-    return best, interp
+def rnd(load):
+    """Loads are kept to 3 significant digits: the cache key of a run (f"{load:g}")."""
+    return float(f"{load:.3g}")
+
+
+def p90(s, key):
+    return (s.get(key) or {}).get("p90")
+
+
+def slo_metric(s, cfg, slo):
+    """max(p90 TTFT / TTFT SLO, p90 TPOT / TPOT SLO): at most 1 meets both. None when 1 % or more
+    of the requests failed or nothing was measured (a miss)."""
+    if s["errors"] >= 0.01 * max(1, s["requests"]):
+        return None
+    t = p90(s, "ttft_sim_s")
+    if t is None:
+        return None
+    m = t / slo
+    tp = p90(s, "tpot_sim_s")
+    if tp is not None:  # absent in summaries from before TPOT was recorded
+        m = max(m, tp / cfg["tpot_slo_s"])
+    return m
+
+
+def meets(s, cfg, slo):
+    m = slo_metric(s, cfg, slo)
+    return m is not None and m <= 1.0
+
+
+def points_of(r):
+    """A policy's first run at every load it ran, by load."""
+    return {float(k): v for k, v in r.get("runs", {}).items()}
+
+
+def bracket(pts, cfg, slo):
+    """hi: the lowest load that misses the SLO; lo: the highest load below hi that meets it. A
+    load above the first miss that happens to meet the SLO gets no credit."""
+    ls = sorted(pts)
+    miss = [x for x in ls if not meets(pts[x], cfg, slo)]
+    hi = miss[0] if miss else None
+    ok = [x for x in ls if (hi is None or x < hi) and meets(pts[x], cfg, slo)]
+    return (ok[-1] if ok else None), hi
+
+
+def crossing(pts, cfg, slo, lo, hi):
+    """Where the SLO metric crosses 1 between lo and hi, interpolating its log linearly in the
+    load; None when the miss at hi is an error rate (no latency to interpolate)."""
+    ml, mh = slo_metric(pts[lo], cfg, slo), slo_metric(pts[hi], cfg, slo)
+    if not ml or not mh or mh <= 1.0 or ml >= mh:
+        return None
+    return lo + (-math.log(ml)) / (math.log(mh) - math.log(ml)) * (hi - lo)
+
+
+def goodput_result(r, cfg, slo, method):
+    """Goodput of one policy at one TTFT SLO from the runs it has (pure: --report-only redoes
+    it). kind '=': lo met the SLO and hi missed it; '>=': every load run met it (lo is the
+    highest); '<': even the lowest load missed it. value: the load the targets compare (bisect:
+    lo; sweep: the interpolated crossing when there is one). With repeats at the deciding loads,
+    the spread of their p90 TTFTs and the goodput each repeat alone gives."""
+    pts = points_of(r)
+    if not pts:
+        return None
+    lo, hi = bracket(pts, cfg, slo)
+    g = dict(slo=slo, method=method, lo=lo, hi=hi,
+             kind="<" if lo is None else ">=" if hi is None else "=",
+             lo_rps=pts[lo]["offered_rps_sim"] if lo is not None else None,
+             hi_rps=pts[hi]["offered_rps_sim"] if hi is not None else None)
+    g["interp"] = crossing(pts, cfg, slo, lo, hi) if g["kind"] == "=" else None
+    g["resolved"] = g["kind"] == "=" and hi - lo <= cfg["goodput_tol"] * lo * 1.0001
+    g["probes"] = r.get("probes", {}).get(f"{slo:g}")
+    g["value"] = (0.0 if lo is None else g["interp"] if method == "sweep" and g["interp"] is not None else lo)
+    reps = r.get("repeats", {})
+    n = 1 + min([len(reps.get(f"{x:g}", [])) for x in (lo, hi) if x is not None], default=0)
+    g["repeats"] = n
+    if n > 1:
+        def runs_at(x):
+            return [pts[x]] + reps.get(f"{x:g}", [])[:n - 1]
+        for tag, x in (("lo", lo), ("hi", hi)):
+            if x is not None:
+                v = [p90(s, "ttft_sim_s") for s in runs_at(x)]
+                v = [y for y in v if y is not None]
+                g[f"{tag}_p90_range"] = [min(v), max(v)] if v else None
+                g[f"{tag}_meets"] = [meets(s, cfg, slo) for s in runs_at(x)]
+        per = []
+        for j in range(n):
+            if hi is not None and g["hi_meets"][j]:
+                per.append(hi)
+            elif lo is not None and g["lo_meets"][j]:
+                per.append(lo)
+            else:
+                per.append(0.0)
+        g["per_repeat"] = per
+    return g
+
+
+def gp_text(g, digits=3):
+    """One goodput cell: the load (its offered rps), the bracket or the bound, the repeats."""
+    if g is None:
+        return "-"
+    if g["kind"] == "<":
+        t = f"< {g['hi']:g}"
+    elif g["kind"] == ">=":
+        t = f">= {g['lo']:g} ({g['lo_rps']:.1f} rps)"
+    elif g["method"] == "sweep":
+        t = f"~{g['value']:.{digits}g} ({g['lo']:g}-{g['hi']:g})"
+    else:
+        t = (f"{g['lo']:g} ({g['lo_rps']:.1f} rps)" + ("" if g["resolved"] else f" [bracket {g['lo']:g}-{g['hi']:g}]"))
+    if g["method"] == "sweep" and g["kind"] != "=":
+        t += " (sweep)"
+    if g.get("per_repeat") and len(set(g["per_repeat"])) > 1:
+        t += " repeats " + per_repeat_text(g)
+    return t
+
+
+def per_repeat_text(g):
+    """The goodput each repeat gives: a deciding load, or `<lo` when the repeat missed at lo."""
+    return "/".join(f"{x:g}" if x else f"<{g['lo']:g}" for x in g["per_repeat"])
+
+
+def oracle_best(cands):
+    """The envelope's pick among the oracle settings' runs at one load: the lowest p90 TTFT
+    (a run with 1 % errors or more, or no TTFT, only when nothing else ran)."""
+    def key(s):
+        bad = s["errors"] >= 0.01 * max(1, s["requests"]) or p90(s, "ttft_sim_s") is None
+        return (bad, p90(s, "ttft_sim_s") or float("inf"))
+    return min(cands, key=key)
+
+
+class Runner:
+    """Every run of one scenario, cached by policy, load and repeat: the sweep and the goodput
+    bisection ask for points, and a point already run is never run again."""
+
+    def __init__(self, cfg, sres, rawdir):
+        self.cfg, self.sres, self.rawdir = cfg, sres, rawdir
+
+    def point(self, pol, load, rep=0):
+        load = rnd(load)
+        key = f"{load:g}"
+        r = self.sres["policies"].setdefault(pol, {"runs": {}})
+        if rep == 0:
+            if key not in r["runs"]:
+                r["runs"][key] = self._run(pol, load, 0)
+            return r["runs"][key]
+        reps = r.setdefault("repeats", {}).setdefault(key, [])
+        while len(reps) < rep:
+            reps.append(self._run(pol, load, len(reps) + 1))
+        return reps[rep - 1]
+
+    def _run(self, pol, load, rep):
+        if pol != "oracle":
+            return run_cell(self.cfg, pol, load, self.rawdir, rep)
+        # The oracle envelope: every setting at this load, the one with the lowest p90 TTFT.
+        sweep = self.sres.setdefault("oracle_sweep", {})
+        cands = []
+        for st in self.cfg["oracle_settings"]:
+            s = run_cell(self.cfg, "oracle", load, self.rawdir, rep, oracle=st)
+            sweep.setdefault(oracle_label(st), {"setting": list(st), "runs": {}})["runs"][
+                f"{load:g}" + (f"_r{rep}" if rep else "")] = s
+            cands.append(s)
+        return dict(oracle_best(cands))
+
+    def search(self, pol, slo):
+        """Bisection of the load knob for the highest load meeting the SLO, to goodput_tol:
+        brackets upward (x2, up to goodput_cap x the highest sweep load) while every load meets
+        it and downward (/2, down to goodput_floor x the lowest) while none does; inside a
+        bracket it alternates the interpolated SLO crossing (kept off the bracket's ends) with
+        the probe one tolerance beyond it that closes the bracket if the crossing is where it
+        seemed (midpoint when there is nothing to interpolate)."""
+        cfg = self.cfg
+        tol = cfg["goodput_tol"]
+        cap = rnd(max(cfg["speeds"]) * cfg["goodput_cap"])
+        floor = rnd(min(cfg["speeds"]) * cfg["goodput_floor"])
+        r = self.sres["policies"][pol]
+        probes = r.setdefault("probes", {})
+        sides = []
+        while True:
+            pts = points_of(r)
+            lo, hi = bracket(pts, cfg, slo)
+            if hi is None:
+                if lo >= cap:
+                    break
+                nxt = min(cap, 2 * lo)
+            elif lo is None:
+                if hi <= floor:
+                    break
+                nxt = max(floor, hi / 2)
+            else:
+                w = hi - lo
+                if w <= tol * lo * 1.0001:
+                    break
+                m = max(tol * lo, 0.1 * w)
+                c = crossing(pts, cfg, slo, lo, hi)
+                if sides and sides[-1][0] == "interp" and w > 2 * tol * lo:
+                    # The last probe landed near the crossing: the one that closes the bracket
+                    # on its other side, if the crossing is where it seemed.
+                    nxt, kind = (lo * (1 + tol) if sides[-1][1] else hi / (1 + tol)), "close"
+                elif c is None or lo + m > hi - m:
+                    nxt, kind = (lo + hi) / 2, "mid"
+                else:
+                    nxt, kind = min(max(c, lo + m), hi - m), "interp"
+            nxt = rnd(nxt)
+            if nxt in pts or probes.get(f"{slo:g}", 0) >= cfg["goodput_max_probes"]:
+                break  # the knob's resolution or the probe budget: the bracket stays as it is
+            s = self.point(pol, nxt)
+            probes[f"{slo:g}"] = probes.get(f"{slo:g}", 0) + 1
+            sides.append((kind if hi is not None and lo is not None else "outside", meets(s, cfg, slo)))
+
+    def repeat(self, pol, slo):
+        """Runs the deciding loads (the final bracket's ends) until each has `repeats` runs."""
+        lo, hi = bracket(points_of(self.sres["policies"][pol]), self.cfg, slo)
+        for x in (lo, hi):
+            if x is not None:
+                for j in range(1, self.cfg["repeats"]):
+                    self.point(pol, x, j)
+
+
+def bisect_jobs(cfg, sres):
+    """(policy, SLO) pairs to bisect. auto: kvroute and kvroute-tuned at every bisected SLO, the
+    peer with the best sweep goodput at each, round-robin at 2 s where the 3x target needs it
+    (only with bisect_rr, --set bisect_rr=true);
+    all: every policy run but the oracle; else the comma-separated policies at every SLO."""
+    pols = [p for p, r in sres["policies"].items() if r.get("runs")]
+    spec = cfg["bisect"]
+    slos = [s for s in cfg["slos"] if s in cfg["bisect_slos"]]
+    if spec == "all":
+        return [(p, s) for p in pols if p != "oracle" for s in slos]
+    if spec != "auto":
+        want = spec.split(",")
+        return [(p, s) for p in pols if p in want for s in slos]
+    jobs = [(p, s) for p in pols if p.startswith("kvroute") for s in slos]
+    for s in slos:
+        cands = [(goodput_result(sres["policies"][p], cfg, s, "sweep")["value"], p) for p in PEERS if p in pols]
+        if cands:
+            jobs.append((max(cands)[1], s))
+    if cfg["bisect_rr"] and cfg["scenario"] in TARGET_3X_RR and "envoy-round-robin" in pols and 2.0 in slos:
+        jobs.append(("envoy-round-robin", 2.0))
+    return jobs
 
 
 def analyze(cfg, res):
+    """Goodput per policy and SLO (bisected where it was, else read off the sweep), the main
+    table, the oracle envelope's comparison and the targets; pure, --report-only redoes it."""
+    bis = {(p, s) for p, s in map(tuple, res.get("bisected", []))}
     table = []
     for pol, r in res["policies"].items():
-        if "error" in r:
+        if "error" in r and not r.get("runs"):
             table.append(dict(policy=pol, error=r["error"]))
             continue
+        r["goodput"] = {f"{s:g}": goodput_result(r, cfg, s, "bisect" if (pol, s) in bis else "sweep")
+                        for s in cfg["slos"]}
+        # The main SLO's goodput in offered simulated rps, as bench/signals.py reads it.
+        g = r["goodput"].get(f"{cfg['slo_s']:g}")
+        r["goodput_rps_sim"] = g and g["lo_rps"]
+        r["goodput_interp_rps_sim"] = g and g["lo_rps"]
+        if g and g["kind"] == "=" and g["interp"] is not None and g["method"] == "sweep":
+            r["goodput_interp_rps_sim"] = g["lo_rps"] + (g["interp"] - g["lo"]) / (g["hi"] - g["lo"]) * (
+                g["hi_rps"] - g["lo_rps"])
         main = r["runs"].get(f"{cfg['main_speed']:g}")
-        gp, gpi = goodput(list(r["runs"].values()), cfg["slo_s"])
-        r["goodput_rps_sim"], r["goodput_interp_rps_sim"] = gp, gpi
-        top = max(r["runs"].values(), key=lambda s: s["offered_rps_sim"])
-        # Every rate of the sweep met the SLO: the goodput is at least this much.
-        r["goodput_lower_bound"] = gp is not None and gp == top["offered_rps_sim"]
         if main is None:
             continue
         table.append(dict(policy=pol, requests=main["requests"], errors=main["errors"],
                           ttft_p50=main["ttft_sim_s"]["p50"], ttft_p90=main["ttft_sim_s"]["p90"],
-                          ttft_p99=main["ttft_sim_s"]["p99"], itl_p50=main["itl_sim_s"]["p50"],
+                          ttft_p99=main["ttft_sim_s"]["p99"], tpot_p50=p90(main, "tpot_sim_s") and
+                          main["tpot_sim_s"]["p50"], tpot_p90=p90(main, "tpot_sim_s"),
                           e2e_p50=main["e2e_sim_s"]["p50"], throughput=main["throughput_rps_sim"],
                           hit_rate=main["hit_rate"], max_mean=main["max_over_mean_requests"],
-                          goodput=gp, goodput_interp=gpi, goodput_lower_bound=r["goodput_lower_bound"],
+                          goodput=r["goodput"].get(f"{cfg['slo_s']:g}"),
+                          oracle_setting=main.get("oracle_setting"),
                           preemptions=main.get("worker_metrics", {}).get("vllm:num_preemptions_total"),
                           evicted_blocks=main.get("evicted_blocks"), engine_hit_rate=main.get("engine_hit_rate"),
                           hit_rate_source=main.get("hit_rate_source", "usage")))
     res["table"] = table
-    byp = {t["policy"]: t for t in table if "error" not in t}
-    rr = byp.get("envoy-round-robin")
-    peers = [byp[p] for p in ("sglang-cache-aware", "vllm-router-cache-aware") if p in byp]
-    best_peer_gp = max([p["goodput_interp"] or 0 for p in peers], default=None)
-    oracle = byp.get("oracle")
-    targets = {}
-    for k in ("kvroute", "kvroute-tuned"):
-        t = byp.get(k)
-        if not t:
-            continue
-        tg = {}
-        if rr and rr["goodput_interp"]:
-            tg["goodput_vs_round_robin"] = (t["goodput_interp"] or 0) / rr["goodput_interp"]
-        if best_peer_gp:
-            tg["goodput_vs_best_peer"] = (t["goodput_interp"] or 0) / best_peer_gp
-        if rr and rr["ttft_p50"]:
-            tg["ttft_p50_vs_round_robin"] = t["ttft_p50"] / rr["ttft_p50"]
-        if oracle and oracle["hit_rate"]:
-            tg["hit_rate_vs_oracle"] = t["hit_rate"] / oracle["hit_rate"]
-        tg["max_over_mean_requests"] = t["max_mean"]
-        targets[k] = tg
-    res["targets"] = targets
+    res["envelope_beaten"] = envelope_beaten(cfg, res)
+    res["targets"] = targets(cfg, res)
+
+
+def envelope_beaten(cfg, res):
+    """Every (load, policy) whose p90 TTFT is below the oracle envelope's at that load."""
+    o = res["policies"].get("oracle", {}).get("runs", {})
+    out = []
+    for key, orun in sorted(o.items(), key=lambda kv: float(kv[0])):
+        ot = p90(orun, "ttft_sim_s")
+        for pol, r in res["policies"].items():
+            x = r.get("runs", {}).get(key)
+            if pol == "oracle" or not x or ot is None or p90(x, "ttft_sim_s") is None:
+                continue
+            if p90(x, "ttft_sim_s") < ot:
+                out.append(dict(load=float(key), policy=pol, p90=p90(x, "ttft_sim_s"), oracle_p90=ot,
+                                oracle_setting=orun.get("oracle_setting")))
+    return out
+
+
+def targets(cfg, res):
+    """Issue 11's targets for kvroute's default config on this scenario: rows of (target,
+    kvroute's value, the reference, status met / missed / not measured)."""
+    P = res["policies"]
+    kv = P.get("kvroute")
+    if not kv or not kv.get("runs"):
+        return []
+    quick = not cfg.get("goodput")
+    rows = []
+    peers = [p for p in PEERS if P.get(p, {}).get("runs")]
+
+    def gp(pol, slo):
+        return (P[pol].get("goodput") or {}).get(f"{slo:g}")
+
+    def cmp_gp(name, slo, ref_pols, factor):
+        k = gp("kvroute", slo)
+        refs = [(gp(p, slo), p) for p in ref_pols if gp(p, slo)]
+        if not k or not refs:
+            rows.append(dict(target=name, value="-", reference="no runs", status="not measured"))
+            return
+        ref, rp = max(refs, key=lambda t: t[0]["value"])
+        val, rv = k["value"], ref["value"] * factor
+        # A '>=' value is a lower bound (met the SLO up to the cap), a '<' one an upper bound.
+        if quick:
+            st = "not measured (quick)"
+        elif ref["kind"] == "<":
+            st = "undecided (both missed the SLO at the floor)" if k["kind"] == "<" else "met"
+        elif val >= rv * 0.99999:
+            st = "met" if ref["kind"] != ">=" else "undecided (the reference met the SLO up to the cap)"
+        else:
+            st = "missed" if k["kind"] != ">=" else "undecided (kvroute met the SLO up to the cap)"
+        if not quick and "sweep" in (k["method"], ref["method"]):
+            st += " (read off the sweep, not bisected)"
+        ratio = f" = {val / ref['value']:.2f}x" if ref["value"] else ""
+        rows.append(dict(target=name, value=gp_text(k) + ratio, reference=f"{rp}: {gp_text(ref)}", status=st))
+
+    for slo in cfg["slos"]:
+        cmp_gp(f"goodput @ TTFT p90 <= {slo:g} s >= best peer", slo, peers, 1.0)
+    if cfg["scenario"] in TARGET_1_2X_PEER and 2.0 in cfg["slos"]:
+        cmp_gp("goodput @ 2 s >= 1.2x best peer", 2.0, peers, 1.2)
+    if cfg["scenario"] in TARGET_3X_RR and 2.0 in cfg["slos"] and P.get("envoy-round-robin", {}).get("runs"):
+        cmp_gp("goodput @ 2 s >= 3x round-robin", 2.0, ["envoy-round-robin"], 3.0)
+    speeds = sorted(cfg["speeds"])
+    # Hit rate at every load of the sweep against the best peer's there.
+    worst = None
+    for sp in speeds:
+        x = kv["runs"].get(f"{sp:g}")
+        ph = [(P[p]["runs"][f"{sp:g}"]["hit_rate"], p) for p in peers if f"{sp:g}" in P[p].get("runs", {})]
+        if x and ph:
+            h, p = max(ph)
+            d = x["hit_rate"] - h
+            if worst is None or d < worst[0]:
+                worst = (d, sp, x["hit_rate"], h, p)
+    if worst:
+        d, sp, h, ph, p = worst
+        rows.append(dict(target="hit rate >= best peer's (-0.01) at every load", value=f"{h:.3f} at {sp:g}",
+                         reference=f"{p}: {ph:.3f} (worst load)", status="met" if d >= -0.01 else "missed"))
+    # Median TTFT below every other router's at every load of the sweep (from its first, about
+    # half of round-robin's saturation).
+    others = [p for p in P if p != "oracle" and not p.startswith("kvroute") and P[p].get("runs")]
+    fails, n = [], 0
+    for sp in speeds:
+        x = kv["runs"].get(f"{sp:g}")
+        for p in others:
+            y = P[p]["runs"].get(f"{sp:g}")
+            if x and y and x["ttft_sim_s"]["p50"] is not None and y["ttft_sim_s"]["p50"] is not None:
+                n += 1
+                if not x["ttft_sim_s"]["p50"] < y["ttft_sim_s"]["p50"]:
+                    fails.append(f"{p} at {sp:g}: {y['ttft_sim_s']['p50']:.3f} <= {x['ttft_sim_s']['p50']:.3f}")
+    if n:
+        rows.append(dict(target="TTFT p50 below every other router at every load", value=f"{n - len(fails)}/{n} comparisons",
+                         reference="; ".join(fails) if fails else ", ".join(others), status="missed" if fails else "met"))
+    mm = [(kv["runs"][f"{sp:g}"]["max_over_mean_requests"], sp) for sp in speeds if f"{sp:g}" in kv["runs"]]
+    if mm:
+        m, sp = max(mm)
+        rows.append(dict(target="max/mean requests per worker <= 1.5 at every load", value=f"{m:.2f} (at {sp:g})",
+                         reference="", status="met" if m <= 1.5 else "missed"))
+    return rows
 
 
 SUMMARY_POLICIES = ["kvroute", "kvroute-tuned", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
@@ -564,6 +914,25 @@ def summary_markdown(res):
                              f"{x['max_over_mean_requests']:.2f}")
             cells += ["- | - | - | -"] * (nl - len(cells))
             L.append(f"| {n} | {pol} | " + " | ".join(cells) + " |")
+    L += ["", "## Targets (kvroute, default config)", ""]
+    if any(s["split"] != "heldout" for _, s in sc):
+        L += ["Not the held-out split: the targets are judged on held-out runs; these are for tuning.", ""]
+    L += ["| scenario | target | kvroute | reference | status |", "|---|---|---|---|---|"]
+    for n, s in sc:
+        if not s.get("targets"):
+            L.append(f"| {n} | all | kvroute did not run | | **not measured** |")
+        for t in s.get("targets") or []:
+            L.append(f"| {n} | {t['target']} | {t['value']} | {t['reference']} | **{t['status']}** |")
+    st = [t["status"] for _, s in sc for t in s.get("targets") or []]
+    L += ["", f"{st.count('met')} met, {st.count('missed')} missed, "
+          f"{sum(x.startswith('undecided') for x in st)} undecided, "
+          f"{sum(x.startswith('not measured') for x in st)} not measured. Goodput targets compare the "
+          "load knob (bisected where the full preset ran it, see each scenario); `undecided`: a bound at the "
+          "cap or the floor of the search does not settle it."]
+    beat = [f"{n}: {b['policy']} at {b['load']:g}" for n, s in sc for b in s.get("envelope_beaten") or []]
+    if beat:
+        L += ["", "**The oracle envelope was beaten** (p90 TTFT below the best oracle setting at the same load) by "
+              + "; ".join(beat) + "."]
     return L + [""]
 
 
@@ -599,47 +968,114 @@ def scenario_markdown(cfg, res):
          f"`{' '.join(mock_args(cfg))}` ({cfg['kv_blocks']} blocks x {cfg['block_size']} tokens of KV each)  ",
          f"Workload: {wl}  ",
          f"Infinite-cache reuse ceiling: {fmt(res.get('reuse_ceiling_all'))} of prompt tokens over the run, "
-         f"{fmt(res.get('reuse_ceiling'))} after the warm-up; {res['wall_s']:.0f} s wall", "",
+         f"{fmt(res.get('reuse_ceiling'))} after the warm-up; {res['wall_s']:.0f} s wall"
+         + (f" ({res['runs']} runs, sweep {res['sweep_wall_s']:.0f} s)" if res.get("runs") else ""), "",
          f"### Policies at {cfg['load_name']} {cfg['main_speed']:g} (main point)", "",
-         "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | E2E p50 | done rps | hit rate | max/mean req | "
-         f"goodput @p90<={cfg['slo_s']:g}s | preempt | evicted blocks |",
+         "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p90 | E2E p50 | done rps | hit rate | max/mean req | "
+         f"goodput @ TTFT p90 <= {cfg['slo_s']:g} s | preempt | evicted blocks |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in res["table"]:
         if "error" in t:
             L.append(f"| {t['policy']} | could not run: {t['error'][:120]} ||||||||||||")
             continue
-        gp = ("none" if t["goodput"] is None else
-              f">= {t['goodput']:.2f}" if t["goodput_lower_bound"] else f"{t['goodput']:.2f} (~{t['goodput_interp']:.2f})")
-        L.append(f"| {t['policy']} | {t['requests'] - t['errors']}/{t['requests']} | {fmt(t['ttft_p50'])} | "
-                 f"{fmt(t['ttft_p90'])} | {fmt(t['ttft_p99'])} | {fmt(t['itl_p50'], 4)} | {fmt(t['e2e_p50'], 2)} | "
+        pol = t["policy"] + (f" ({t['oracle_setting']})" if t.get("oracle_setting") else "")
+        L.append(f"| {pol} | {t['requests'] - t['errors']}/{t['requests']} | {fmt(t['ttft_p50'])} | "
+                 f"{fmt(t['ttft_p90'])} | {fmt(t['ttft_p99'])} | {fmt(t['tpot_p90'], 4)} | {fmt(t['e2e_p50'], 2)} | "
                  f"{t['throughput']:.2f} | {t['hit_rate']:.3f}{'*' if t['hit_rate_source'] == 'engine' else ''} | "
-                 f"{t['max_mean']:.2f} | {gp} | {'-' if t['preemptions'] is None else int(t['preemptions'])} | "
+                 f"{t['max_mean']:.2f} | {gp_text(t['goodput'])} | "
+                 f"{'-' if t['preemptions'] is None else int(t['preemptions'])} | "
                  f"{'-' if t['evicted_blocks'] is None else int(t['evicted_blocks'])} |")
     L += ["", "Hit rate: cached / prompt tokens from usage.prompt_tokens_details (requests after the warm-up); "
           "`*`: the workers do not report cached_tokens (vLLM's default), so it is the engines' own "
-          "vllm:prefix_cache_hits / queries over the whole run. preempt: vllm:num_preemptions summed over "
-          "the fleet; evicted blocks: cached KV blocks the fleet evicted to make room (mock:kv_evicted_blocks).",
-          "", "Goodput: highest offered rate of the sweep whose p90 TTFT stays under the SLO (in brackets, "
-          "linear interpolation to the SLO crossing; `>=` when even the fastest rate of the sweep met it; "
-          "`none` when even the slowest missed it).", "", "### Sweep (TTFT p90, simulated s, by offered rate)", "",
+          "vllm:prefix_cache_hits / queries over the whole run. TPOT: (E2E - TTFT) / (output tokens - 1) per "
+          "request. preempt: vllm:num_preemptions summed over the fleet; evicted blocks: cached KV blocks the "
+          "fleet evicted to make room (mock:kv_evicted_blocks).", ""]
+    L += goodput_markdown(cfg, res)
+    L += ["", "### Sweep (TTFT p90, simulated s, by offered load)", "",
           "| policy | " + " | ".join(f"{cfg['load_name']} {s:g}" for s in cfg["speeds"]) + " |",
           "|---|" + "---|" * len(cfg["speeds"])]
     for pol, r in res["policies"].items():
-        if "error" in r:
+        if not r.get("runs"):
             continue
         cells = []
         for s in cfg["speeds"]:
             x = r["runs"].get(f"{s:g}")
             cells.append("-" if not x else f"{fmt(x['ttft_sim_s']['p90'])} @ {x['offered_rps_sim']:.1f} rps"
-                         + ("" if x["errors"] == 0 else f" ({x['errors']} err)"))
+                         + ("" if x["errors"] == 0 else f" ({x['errors']} err)")
+                         + (f" ({x['oracle_setting']})" if x.get("oracle_setting") else ""))
         L.append(f"| {pol} | " + " | ".join(cells) + " |")
-    if res.get("targets"):
-        L += ["", "### Targets", "", "| policy | metric | value | target |", "|---|---|---|---|"]
-        want = {"goodput_vs_round_robin": ">= 2.5", "goodput_vs_best_peer": ">= 1.2",
-                "ttft_p50_vs_round_robin": "<= 0.5", "hit_rate_vs_oracle": ">= 0.9", "max_over_mean_requests": "<= 1.5"}
-        for pol, tg in res["targets"].items():
-            for k, v in tg.items():
-                L.append(f"| {pol} | {k} | {v:.2f} | {want[k]} |")
+    L += envelope_markdown(cfg, res)
+    L += ["", "### Targets (kvroute, default config)", ""]
+    if not res.get("targets"):
+        L.append("kvroute did not run on this scenario: no targets.")
+    else:
+        if res["split"] != "heldout":
+            L += [f"Split {res['split']}: the targets are judged on the held-out split; these are for tuning.", ""]
+        L += ["| target | kvroute | reference | status |", "|---|---|---|---|"]
+        for t in res["targets"]:
+            L.append(f"| {t['target']} | {t['value']} | {t['reference']} | **{t['status']}** |")
+    return L
+
+
+def goodput_markdown(cfg, res):
+    """Goodput per policy and TTFT SLO, with how it was found."""
+    pols = [p for p, r in res["policies"].items() if r.get("goodput")]
+    if not pols:
+        return []
+    L = [f"### Goodput (highest offered load, {cfg['load_name']}, with p90 TTFT <= SLO, p90 TPOT <= "
+         f"{cfg['tpot_slo_s']:g} s and < 1 % errors)", "",
+         "| policy | " + " | ".join(f"TTFT <= {s:g} s" for s in cfg["slos"]) + " |",
+         "|---|" + "---|" * len(cfg["slos"])]
+    for pol in pols:
+        L.append(f"| {pol} | " + " | ".join(gp_text(res["policies"][pol]["goodput"].get(f"{s:g}"))
+                                           for s in cfg["slos"]) + " |")
+    L += ["", "Bisected cells: the load of the last run that met the SLO (its offered simulated rps in "
+          f"brackets), bisected to {cfg['goodput_tol'] * 100:g} % of the load; `[bracket a-b]` when the probe "
+          "budget ran out first; `>= x`: met at every load run, x the highest (bisected: the cap, "
+          f"{cfg['goodput_cap']:g}x the highest load of the sweep); `< x`: missed even at x, the lowest load run "
+          f"(bisected: the floor, {cfg['goodput_floor']:g}x the lowest of the sweep). `~x (a-b)`: not bisected, "
+          "read off the sweep (met at a, missed at b, interpolated crossing x). "
+          "`repeats a/b`: the goodput each repeat of the deciding loads gives, when they disagree.", ""]
+    rep = []
+    for pol in pols:
+        for sk, g in res["policies"][pol]["goodput"].items():
+            if g and g.get("repeats", 1) > 1:
+                parts = [f"{tag} {g[tag]:g}: p90 {g[tag + '_p90_range'][0]:.3f}-{g[tag + '_p90_range'][1]:.3f} s"
+                         for tag in ("lo", "hi") if g.get(tag) is not None and g.get(tag + "_p90_range")]
+                rep.append(f"| {pol} | {sk} | {g['probes'] or 0} | {g['repeats']} | {'; '.join(parts)} | "
+                           f"{per_repeat_text(g)} |")
+    if rep:
+        L += ["Bisection: probes beyond the sweep and the spread over the repeats of the deciding loads "
+              "(lo: last met, hi: first missed).", "",
+              "| policy | SLO s | probes | runs per deciding load | p90 TTFT min-max | goodput per repeat |",
+              "|---|---|---|---|---|---|"] + rep + [""]
+    return L
+
+
+def envelope_markdown(cfg, res):
+    sw = res.get("oracle_sweep")
+    if not sw:
+        return []
+    keys = sorted({k for o in sw.values() for k in o["runs"] if "_r" not in k}, key=float)
+    L = ["", "### Oracle envelope (p90 TTFT by setting; the oracle's row is the best at each load)", "",
+         "| setting (prefill_scale, held_weight) | " + " | ".join(f"{cfg['load_name']} {k}" for k in keys) + " |",
+         "|---|" + "---|" * len(keys)]
+    orr = res["policies"].get("oracle", {}).get("runs", {})
+    for lab, o in sw.items():
+        cells = []
+        for k in keys:
+            x = o["runs"].get(k)
+            won = orr.get(k, {}).get("oracle_setting") == lab
+            cells.append("-" if not x else ("**" if won else "") + fmt(p90(x, "ttft_sim_s")) + ("**" if won else ""))
+        L.append(f"| {lab} ({o['setting'][0]:g}, {o['setting'][1]:g}) | " + " | ".join(cells) + " |")
+    beaten = res.get("envelope_beaten") or []
+    L.append("")
+    if beaten:
+        L.append("**The oracle envelope is beaten** (p90 TTFT below the best oracle setting at the same load): "
+                 + "; ".join(f"{b['policy']} at {b['load']:g}: {b['p90']:.3f} s < {b['oracle_p90']:.3f} s "
+                             f"({b['oracle_setting']})" for b in beaten) + ".")
+    else:
+        L.append("No policy beat the oracle envelope's p90 TTFT at any load.")
     return L
 
 
@@ -727,26 +1163,58 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     fig.savefig(os.path.join(outdir, prefix + "requests_per_worker.png"), dpi=110)
     plt.close(fig)
 
-    # Goodput: p90 TTFT against offered rate.
+    # p90 TTFT against offered rate: every run of the sweep and the bisection.
     fig, ax = plt.subplots(figsize=(8, 5))
     for pol, r in ok.items():
         pts = sorted(r["runs"].values(), key=lambda s: s["offered_rps_sim"])
         xs = [s["offered_rps_sim"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
         ys = [s["ttft_sim_s"]["p90"] for s in pts if s["ttft_sim_s"]["p90"] is not None]
-        gl = (">= " if r.get("goodput_lower_bound") else "") + fmt(r.get("goodput_interp_rps_sim"), 2)
-        ax.plot(xs, ys, marker="o", label=f"{pol} (goodput {gl})",
+        ax.plot(xs, ys, marker="o", label=f"{pol} (goodput {gp_text((r.get('goodput') or {}).get(cfg_slo(cfg)))})",
                 lw=2.2 if pol.startswith("kvroute") or pol == "oracle" else 1.3)
-    ax.axhline(cfg["slo_s"], color="grey", ls=":", lw=1)
-    ax.text(ax.get_xlim()[0], cfg["slo_s"], f" SLO {cfg['slo_s']:g} s", va="bottom", fontsize=8, color="grey")
+    for slo in cfg["slos"]:
+        ax.axhline(slo, color="grey", ls=":", lw=1)
+        ax.text(ax.get_xlim()[0], slo, f" SLO {slo:g} s", va="bottom", fontsize=7, color="grey")
     ax.set_yscale("log")
     ax.set_xlabel("offered request rate (simulated req/s)")
     ax.set_ylabel("TTFT p90 (simulated s, log)")
-    ax.set_title(f"TTFT p90 vs. request rate, {cfg['scenario']}")
+    ax.set_title(f"TTFT p90 vs. request rate, {cfg['scenario']} (sweep and bisection runs)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, prefix + "p90_ttft.png"), dpi=110)
+    plt.close(fig)
+
+    # Goodput against the TTFT SLO, one line per policy; hollow markers: not bisected (read off
+    # the sweep); ^: a lower bound (met up to the cap); v at 0: missed even at the floor.
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (pol, r) in enumerate(ok.items()):
+        gs = [(g["slo"], g) for g in (r.get("goodput") or {}).values() if g]
+        if not gs:
+            continue
+        gs.sort(key=lambda t: t[0])
+        col = f"C{i % 10}"
+        xs = [x for x, _ in gs]
+        ys = [g["value"] for _, g in gs]
+        ax.plot(xs, ys, color=col, lw=2.2 if pol.startswith("kvroute") or pol == "oracle" else 1.3, label=pol)
+        for x, g in gs:
+            mk = "^" if g["kind"] == ">=" else "v" if g["kind"] == "<" else "o"
+            ax.plot([x], [g["value"]], marker=mk, color=col, mfc=col if g["method"] == "bisect" else "none", ms=7)
+            if g.get("per_repeat") and len(set(g["per_repeat"])) > 1:
+                ax.vlines(x, min(g["per_repeat"]), max(g["per_repeat"]), color=col, lw=4, alpha=0.4)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cfg["slos"], [f"{x:g}" for x in cfg["slos"]])
+    ax.set_xlabel(f"TTFT p90 SLO (simulated s; every SLO also needs p90 TPOT <= {cfg['tpot_slo_s']:g} s)")
+    ax.set_ylabel(f"goodput ({cfg['load_name']}: offered load knob)")
+    ax.set_title(f"Goodput vs. SLO, {cfg['scenario']} ({cfg['split']}); filled: bisected, hollow: from the sweep")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(outdir, prefix + "goodput.png"), dpi=110)
     plt.close(fig)
+
+
+def cfg_slo(cfg):
+    return f"{cfg['slo_s']:g}"
 
 
 def plot_overhead(res, outdir):
@@ -794,6 +1262,9 @@ def scenario_config(base, name, split, overrides):
     cfg["speeds"] = list(sc["loads"][:base["n_loads"]])
     cfg["main_speed"] = cfg["speeds"][min(1, len(cfg["speeds"]) - 1)]
     cfg.update(overrides)
+    cfg["slos"] = sorted(set(cfg["slos"]) | {cfg["slo_s"]})
+    if cfg["bisect_slos"] is None:
+        cfg["bisect_slos"] = list(cfg["slos"])
     # The label follows overrides (--count, --set start=... / seed=...).
     cfg["split_label"] = (f"requests {cfg['start']}..{cfg['start'] + cfg['count'] - 1}" if sc["workload"] == "mooncake"
                           else f"seed {cfg['seed']}")
@@ -807,31 +1278,60 @@ def scenario_config(base, name, split, overrides):
 
 
 def run_scenario(cfg, policies, rawdir):
-    """Every policy at every load of one scenario; returns its results.json section."""
+    """One scenario: every policy at every load of the sweep, then (cfg goodput) the bisection
+    of the chosen (policy, SLO) pairs and the repeats of their deciding loads, all through one
+    cache of runs; returns its results.json section."""
     resolve_capacity(cfg, rawdir)
     sres = {"config": cfg, "description": cfg["description"], "split": cfg["split"],
-            "split_label": cfg["split_label"], "policies": {}, "not_run": {}}
+            "split_label": cfg["split_label"], "policies": {}, "not_run": {}, "bisected": []}
     t0 = time.time()
+    run = Runner(cfg, sres, rawdir)
     for pol in policies:
-        runs = {}
         err = None
         for sp in sorted(cfg["speeds"]):
             try:
-                runs[f"{sp:g}"] = run_cell(cfg, pol, sp, rawdir)
+                run.point(pol, sp)
             except Exception as e:
                 err = str(e)
                 log(f"{cfg['scenario']} {pol} {cfg['load_name']} {sp:g}: could not run: {err}")
                 break
-        if runs:
-            sres["policies"][pol] = {"runs": runs}
-            if err:
-                sres["policies"][pol]["partial_error"] = err
-        else:
+        r = sres["policies"].setdefault(pol, {"runs": {}})
+        if err and r["runs"]:
+            r["partial_error"] = err
+        elif err:
             sres["policies"][pol] = {"error": err}
             sres["not_run"][pol] = err
+    sres["sweep_wall_s"] = time.time() - t0
+    if cfg["goodput"]:
+        jobs = bisect_jobs(cfg, sres)
+        sres["bisected"] = [list(j) for j in jobs]
+        log(f"{cfg['scenario']}: bisecting " + ", ".join(f"{p}@{s:g}s" for p, s in jobs))
+        failed = set()
+        # Twice: a later SLO's probes can reopen an earlier SLO's bracket (a noisy point).
+        for _ in range(2):
+            for pol, slo in jobs:
+                if pol in failed:
+                    continue
+                try:
+                    run.search(pol, slo)
+                except Exception as e:
+                    failed.add(pol)
+                    sres["policies"][pol]["bisect_error"] = str(e)
+                    log(f"{cfg['scenario']} {pol}: bisection stopped: {e}")
+        for pol, slo in jobs:
+            if pol not in failed:
+                try:
+                    run.repeat(pol, slo)
+                except Exception as e:
+                    failed.add(pol)
+                    sres["policies"][pol]["bisect_error"] = str(e)
+                    log(f"{cfg['scenario']} {pol}: repeats stopped: {e}")
     analyze(cfg, sres)
     annotate(sres)
     sres["wall_s"] = time.time() - t0
+    sres["runs"] = sum(len(r.get("runs", {})) + sum(len(v) for v in r.get("repeats", {}).values())
+                       for p, r in sres["policies"].items() if p != "oracle") + sum(
+        len(o["runs"]) for o in sres.get("oracle_sweep", {}).values())
     return sres
 
 
@@ -860,6 +1360,10 @@ def report_only(name):
     with open(os.path.join(outdir, "results.json")) as f:
         res = json.load(f)
     for sres in res["scenarios"].values():
+        cfg = dict(COMMON, goodput=False, repeats=1, bisect="auto")
+        cfg.update(sres["config"])
+        sres["config"] = cfg
+        analyze(cfg, sres)
         annotate(sres)
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -888,12 +1392,26 @@ def main():
     ap.add_argument("--split", choices=["dev", "heldout"], default="heldout",
                     help="dev: the seed or trace slice to tune on; heldout: the one to report [heldout]")
     ap.add_argument("--name", help="results folder under bench/results [preset name]")
-    ap.add_argument("--policies", help="comma-separated subset of: " + ",".join(POLICIES))
+    ap.add_argument("--policies", help="comma-separated, any of: " + ",".join(POLICIES) + " ["
+                    + ",".join(DEFAULT_POLICIES) + "]")
     ap.add_argument("--speeds", help="comma-separated offered loads for every scenario run (trace speed factor, "
                     "or new sessions per simulated second for synthetic scenarios; overrides the table)")
     ap.add_argument("--main-speed", type=float)
     ap.add_argument("--count", type=int, help="trace requests (Mooncake) or sessions (synthetic)")
-    ap.add_argument("--slo", type=float, help="p90 TTFT SLO, simulated seconds [2]")
+    ap.add_argument("--slo", type=float, help="the main p90 TTFT SLO (plots, tables), simulated seconds [2]")
+    ap.add_argument("--slos", help="comma-separated p90 TTFT SLOs for goodput, simulated s [0.5,1,2,4]")
+    ap.add_argument("--tpot-slo", type=float, help="p90 TPOT every goodput SLO also requires, simulated s [0.1]")
+    ap.add_argument("--goodput", action="store_true", default=None,
+                    help="bisect goodput (the full preset does; quick reads it off the sweep)")
+    ap.add_argument("--no-goodput", dest="goodput", action="store_false", help="full preset without the bisection")
+    ap.add_argument("--bisect", help="which policies the goodput bisection runs: auto (kvroute and the best peer "
+                    "at each SLO; --set bisect_rr=true adds round-robin at 2 s where the 3x target "
+                    "needs it), all, or a comma list [auto]")
+    ap.add_argument("--bisect-slos", help="TTFT SLOs the bisection runs at, comma list or all [2]")
+    ap.add_argument("--repeats", type=int, help="runs at each deciding load of the bisection [full 2, quick 1]")
+    ap.add_argument("--goodput-cap", type=float, help="bracket upward up to this x the highest load [2]")
+    ap.add_argument("--oracle-settings", help="the oracle envelope's settings, prefill_scale:held_weight,... "
+                    "[1:0.005,1:0.02,1:0.08]")
     ap.add_argument("--tuned", help="JSON merged into the kvroute-tuned plugin config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset or scenario value (numbers parsed as JSON), e.g. --set kv_blocks=4096")
@@ -915,6 +1433,22 @@ def main():
         overrides["main_speed"] = a.main_speed
     if a.slo:
         overrides["slo_s"] = a.slo
+    if a.slos:
+        overrides["slos"] = [float(x) for x in a.slos.split(",")]
+    if a.tpot_slo:
+        overrides["tpot_slo_s"] = a.tpot_slo
+    if a.goodput is not None:
+        overrides["goodput"] = a.goodput
+    if a.bisect:
+        overrides["bisect"] = a.bisect
+    if a.bisect_slos:
+        overrides["bisect_slos"] = (None if a.bisect_slos == "all" else [float(x) for x in a.bisect_slos.split(",")])
+    if a.repeats:
+        overrides["repeats"] = a.repeats
+    if a.goodput_cap:
+        overrides["goodput_cap"] = a.goodput_cap
+    if a.oracle_settings:
+        overrides["oracle_settings"] = [[float(v) for v in x.split(":")] for x in a.oracle_settings.split(",")]
     if a.tuned:
         overrides["tuned"] = json.loads(a.tuned)
     for kv in a.set:
@@ -930,7 +1464,7 @@ def main():
     for n in names:
         if n not in scenarios.SCENARIOS:
             sys.exit(f"unknown scenario {n} (one of: {', '.join(scenarios.SCENARIOS)})")
-    policies = a.policies.split(",") if a.policies else list(POLICIES)
+    policies = a.policies.split(",") if a.policies else list(DEFAULT_POLICIES)
     for pol in policies:
         if pol not in POLICIES:
             sys.exit(f"unknown policy {pol}")

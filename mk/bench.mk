@@ -1,7 +1,10 @@
-# Benchmark suite (bench/README.md): `make bench` runs every routing policy on every scenario
-# (bench/scenarios.py) at three loads, held-out split, plus the proxy-overhead test (<= 40 min
-# on 2 cores); `make bench-scenarios` (= `make bench-quick`) runs the production-like synthetic
-# scenarios for kvroute and the main baselines at two loads (<= 8 min); `make bench-signals`
+# Benchmark suite (bench/README.md): `make bench` runs the default policies (kvroute, Envoy
+# round-robin and ring-hash, sglang-router, vllm-router, the oracle envelope) on every scenario
+# (bench/scenarios.py) at three loads, held-out split, bisects goodput at the 2 s SLO (kvroute
+# and the best peer) with 2 runs per deciding load, plus the proxy-overhead test
+# (<= 40 min on 2 cores, estimated); `make bench-scenarios` (= `make bench-quick`) runs the
+# production-like synthetic scenarios for kvroute and the main baselines at two loads, goodput
+# read off the sweep (<= 8 min); `make bench-signals`
 # compares router signals (real vLLM defaults against the old mock flags).
 # Results: bench/results/<name>/.
 # Included by the main Makefile (`-include mk/*.mk`); uses its `venv` (Envoy) and `wasm`.
