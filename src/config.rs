@@ -192,7 +192,7 @@ impl Default for ScoringConfig {
             recompute_weight: 1.0,
             recompute_weight_max: 8.0,
             decode_weight: 0.05,
-            duplicate_weight: 2.0,
+            duplicate_weight: 4.0,
             kv_watermark: 0.9,
         }
     }
