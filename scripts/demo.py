@@ -1,4 +1,5 @@
-"""`make demo`, `make run`, `make stop`.
+"""`make demo`, `make run`, `make stop` (ENGINE=llama: on llama.cpp's llama-server instead of
+the mock workers).
 
 demo: the same shared-prefix chat workload (pairs of users asking about one long document,
 each conversation appending turns) through kvroute and through Envoy's round-robin, each on
@@ -22,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import envoyconf  # noqa: E402
 import kvstack  # noqa: E402
 from kvstack import ROOT, Stack, Worker, stream, text, wait_port  # noqa: E402
+
+ENGINE = os.environ.get("ENGINE", "mock")
 
 SPEEDUP = float(os.environ.get("DEMO_SPEEDUP", 2))  # simulated time runs this much faster
 KV_BLOCKS = int(os.environ.get("DEMO_KV_BLOCKS", 2048))  # 32k tokens per worker: the workload does not fit in one
@@ -98,7 +101,93 @@ def run_policy(name: str, kvroute: dict | None) -> dict:
     }
 
 
+# ---- ENGINE=llama: two llama-server workers (scripts/llama.sh), real time, engine-reported usage
+LLAMA_DOCS = int(os.environ.get("DEMO_LLAMA_DOCS", 6))  # shared long system prompts
+LLAMA_USERS = int(os.environ.get("DEMO_LLAMA_USERS", 12))
+LLAMA_TURNS = int(os.environ.get("DEMO_LLAMA_TURNS", 3))
+LLAMA_CONCURRENCY = int(os.environ.get("DEMO_LLAMA_CONCURRENCY", 4))
+LLAMA_DOC_CHARS = int(os.environ.get("DEMO_LLAMA_DOC_CHARS", 6000))
+LLAMA_PORTS = (8001, 8002)
+
+
+def llama_workload() -> list[list[list[dict]]]:
+    """Per user, the message lists of successive turns; users of a document share it."""
+    convs = []
+    for u in range(LLAMA_USERS):
+        d = u % LLAMA_DOCS
+        msgs = [{"role": "system", "content": f"Document {d}. " + text(1000 + d, LLAMA_DOC_CHARS)}]
+        turns = []
+        for t in range(LLAMA_TURNS):
+            msgs = msgs + [{"role": "user", "content": f"user {u} turn {t}: " + text(u * 100 + t, 400)}]
+            turns.append(list(msgs))
+            msgs = msgs + [{"role": "assistant", "content": text(u * 1000 + t, 120)}]
+        convs.append(turns)
+    return convs
+
+
+def run_llama_policy(name: str, kvroute: dict | None) -> dict:
+    fleet = [kvstack.LlamaWorker(f"llama-{i}") for i in (1, 2)]
+    results = []
+    lock = threading.Lock()
+    with Stack(fleet, kvroute=kvroute, concurrency=2, site=dict(kvstack.LLAMA_SITE)) as s:
+        def user(turns):
+            for msgs in turns:
+                body = {"model": "tiny-llama", "messages": msgs, "max_tokens": 16, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                status, headers, chunks = stream(s.listen, "/v1/chat/completions", body, timeout=300)
+                usage = kvstack.sse_usage(chunks)
+                with lock:
+                    results.append({"status": status, "ttft_ms": chunks[0][0] * 1000 if chunks else float("nan"),
+                                    "worker": headers.get("x-worker-id", "?"),
+                                    "prompt": usage.get("prompt_tokens", 0),
+                                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+
+        t0 = time.time()
+        with ThreadPoolExecutor(LLAMA_CONCURRENCY) as ex:
+            list(ex.map(user, llama_workload()))
+        wall = time.time() - t0
+    ok = [r for r in results if r["status"] == 200]
+    ttfts = sorted(r["ttft_ms"] for r in ok)
+
+    def pct(q):
+        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+    prompt = sum(r["prompt"] for r in ok)
+    return {"policy": name, "requests": len(results), "errors": len(results) - len(ok),
+            "ttft_p50": pct(0.50), "ttft_p90": pct(0.90), "prompt": prompt,
+            "cached": sum(r["cached"] for r in ok), "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0,
+            "per_worker": Counter(r["worker"] for r in ok), "wall_s": wall}
+
+
+def demo_llama() -> int:
+    if kvstack.llama_paths() is None:
+        print("llama-server is not built: make llama (scripts/llama.sh)", file=sys.stderr)
+        return 1
+    print(f"kvroute demo on llama.cpp: {LLAMA_USERS} users x {LLAMA_TURNS} chat turns sharing {LLAMA_DOCS} "
+          f"documents of {LLAMA_DOC_CHARS} chars, {LLAMA_CONCURRENCY} at a time, on 2 llama-server workers "
+          f"(1 CPU thread, 4 slots each; tiny random-weight model); times are real")
+    rows = []
+    for name, cfg in [("envoy round-robin", None), ("kvroute", kvstack.llama_kvroute())]:
+        print(f"  running {name} ...", flush=True)
+        rows.append(run_llama_policy(name, cfg))
+    print()
+    print("| policy | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | engine-cached tokens | "
+          "cached share of prompt tokens | requests per worker |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        split = " / ".join(f"{w} {r['per_worker'][w]}" for w in sorted(r["per_worker"]))
+        print(f"| {r['policy']} | {r['requests']} | {r['errors']} | {r['ttft_p50']:.0f} | {r['ttft_p90']:.0f} "
+              f"| {r['cached']} | {r['hit_rate']:.1%} | {split} |")
+    rr, kv = rows
+    if kv["ttft_p50"] > 0:
+        print(f"\nkvroute: TTFT p50 {rr['ttft_p50'] / kv['ttft_p50']:.1f}x lower, p90 "
+              f"{rr['ttft_p90'] / kv['ttft_p90']:.1f}x; engine-cached tokens {kv['cached']} vs {rr['cached']}")
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
 def demo() -> int:
+    if ENGINE == "llama":
+        return demo_llama()
     print(f"kvroute demo: {USERS} users x {TURNS} chat turns sharing {APPS} long system prompts, "
           f"{CONCURRENCY} at a time, on 4 mock workers ({KV_BLOCKS} KV blocks each, speedup {SPEEDUP:g}; "
           f"real-vLLM signals: ORCA on non-streaming replies only, cached_tokens via "
@@ -138,7 +227,48 @@ def worker_command(w: envoyconf.Upstream, fleet: list[envoyconf.Upstream]) -> li
     return cmd
 
 
+def llama_bootstrap() -> dict:
+    """`make run ENGINE=llama`: Envoy with kvroute (metrics poller on) in front of two
+    llama-server workers on 127.0.0.1:8001-8002, from scripts/envoyconf.py."""
+    fleet = [envoyconf.Upstream(f"llama-{i}", "127.0.0.1", port, "both", kv_blocks=32768 // kvstack.LLAMA_BLOCK)
+             for i, port in enumerate(LLAMA_PORTS, 1)]
+    site = envoyconf.Site(wasm=os.path.join(ROOT, "build", "kvroute.wasm"), **kvstack.LLAMA_SITE)
+    plugin = {"workers": envoyconf.plugin_workers(fleet), **kvstack.llama_kvroute(), "debug_headers": False}
+    return envoyconf.bootstrap(site, fleet, plugin)
+
+
+def run_llama() -> int:
+    stop(quiet=True)
+    if kvstack.llama_paths() is None:
+        print("llama-server is not built: make llama (scripts/llama.sh)", file=sys.stderr)
+        return 1
+    os.makedirs(RUN_DIR, exist_ok=True)
+    pids = []
+    for i, port in enumerate(LLAMA_PORTS, 1):
+        w = kvstack.LlamaWorker(f"llama-{i}", port=port)
+        w.start(log_dir=RUN_DIR, new_session=True)
+        pids.append(w.proc.pid)
+    conf = os.path.join(RUN_DIR, "envoy-llama.yaml")
+    with open(conf, "w") as f:
+        f.write(envoyconf.to_yaml(llama_bootstrap()))
+    log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
+    e = subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", kvstack.ENVOY, "-c", conf, "--concurrency", "2"],
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pids.append(e.pid)
+    with open(os.path.join(RUN_DIR, "pids"), "w") as f:
+        f.write("\n".join(map(str, pids)))
+    wait_port(10000, proc=e)
+    print("kvroute stack running on llama.cpp: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
+    print(f"  llama-server workers 127.0.0.1:{LLAMA_PORTS[0]}-{LLAMA_PORTS[-1]}; Envoy config and logs in build/run/")
+    print("  try: curl -si localhost:10000/v1/chat/completions "
+          "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}],\"max_tokens\":8}'")
+    print("  stop with: make stop")
+    return 0
+
+
 def run() -> int:
+    if ENGINE == "llama":
+        return run_llama()
     stop(quiet=True)
     os.makedirs(RUN_DIR, exist_ok=True)
     pids = []

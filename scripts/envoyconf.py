@@ -89,6 +89,12 @@ class Site:
     fallback_pool: bool = False
     # Load tests: circuit breakers and upstream buffers out of the way of the offered load.
     load_test: bool = False
+    # Engines that do not name themselves (llama-server): Envoy adds `x-worker-id` to each
+    # response from the answering endpoint's metadata, so clients and tests know who served it.
+    worker_id_header: bool = False
+    # A `<worker>-metrics` cluster per worker holding only that worker (no failover), for
+    # kvroute's metrics poller (`metrics.cluster_suffix: "-metrics"`).
+    metrics_clusters: bool = False
     header: list[str] = field(default_factory=list)
 
 
@@ -106,6 +112,9 @@ ROUTER = {"name": "envoy.filters.http.router",
 ACCESS_LOG_FORMAT = ("[%START_TIME%] \"%REQ(:METHOD)% %REQ(:PATH)%\" %RESPONSE_CODE% %RESPONSE_FLAGS% "
                      "steer=%REQ(X-KVROUTE-CLUSTER)% upstream=%UPSTREAM_HOST% "
                      "attempts=%UPSTREAM_REQUEST_ATTEMPT_COUNT% %DURATION%ms\n")
+
+
+WORKER_ID_FORMAT = "%UPSTREAM_METADATA(kvroute:worker)%"
 
 
 def retry_policy(explain: bool = True) -> dict:
@@ -139,7 +148,7 @@ def retry_policy(explain: bool = True) -> dict:
 
 def _endpoint(site: Site, w: Upstream) -> dict:
     ep = {"endpoint": {"address": {"socket_address": {"address": w.host, "port_value": w.port}}}}
-    if site.dns:
+    if site.dns or site.worker_id_header:
         ep["metadata"] = {"filter_metadata": {"kvroute": {"worker": w.name}}}
     return ep
 
@@ -192,6 +201,11 @@ def worker_clusters(site: Site, fleet: list[Upstream]) -> list:
         if pool:
             endpoints.append({"priority": 1, "lb_endpoints": [_endpoint(site, o) for o in pool]})
         out.append(_cluster(site, w.name, endpoints, eject=True))
+    if site.metrics_clusters:
+        out.append(Note("kvroute's metrics poller scrapes each worker through a cluster of that worker alone,\n"
+                        "so a failover never attributes one worker's load to another."))
+        for w in fleet:
+            out.append(_cluster(site, f"{w.name}-metrics", [{"lb_endpoints": [_endpoint(site, w)]}]))
     return out
 
 
@@ -345,6 +359,10 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
         Note("x-envoy-attempt-count on responses tells kvroute (and tests) that its pick failed\n"
              "and a retry on another worker answered."): None,
         "include_attempt_count_in_response": True,
+        **({Note("The engines do not name themselves: x-worker-id comes from the endpoint's metadata."): None,
+            "response_headers_to_add": [{
+                "header": {"key": "x-worker-id", "value": WORKER_ID_FORMAT},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]} if site.worker_id_header else {}),
         "routes": routes,
     }]}
     hcm["http_filters"] = filters

@@ -320,3 +320,85 @@ def text(seed: int, n_chars: int) -> str:
         out.append(w)
         size += len(w) + 1
     return " ".join(out)
+
+
+# ---------------------------------------------------------------- a real engine: llama-server
+
+LLAMA_DIR = os.environ.get("KVROUTE_LLAMA_DIR", os.path.join(ROOT, "build", "llama"))
+LLAMA_BLOCK = 16  # kvroute's block_size for llama fleets (llama.cpp caches per token)
+
+
+def llama_paths() -> tuple[str, str] | None:
+    """(llama-server, model) as scripts/llama.sh built them, or None when it has not run."""
+    import glob
+    servers = sorted(glob.glob(os.path.join(LLAMA_DIR, "build-*", "bin", "llama-server")))
+    model = os.path.join(LLAMA_DIR, "tiny-llama.gguf")
+    if not servers or not os.path.exists(model):
+        return None
+    return servers[-1], model
+
+
+class LlamaWorker(Worker):
+    """llama.cpp's llama-server on one CPU thread with `slots` parallel sequences, the prompt
+    cache on (its default) and /metrics. It does not name itself in responses: a Stack in
+    front of it needs `site={"worker_id_header": True}` (Envoy adds x-worker-id)."""
+
+    def __init__(self, name: str, port: int = 0, slots: int = 4, ctx: int = 32768, threads: int = 1,
+                 args: list | None = None):
+        super().__init__(name, role="both", port=port, kv_blocks=ctx // LLAMA_BLOCK,
+                         prompt_tokens_details=True, args=list(args or []))
+        self.slots, self.ctx, self.threads = slots, ctx, threads
+
+    def command(self) -> list[str]:
+        paths = llama_paths()
+        if paths is None:
+            raise RuntimeError("llama-server is not built: run scripts/llama.sh (make llama)")
+        server, model = paths
+        return [server, "-m", model, "-a", "tiny-llama", "--host", "127.0.0.1", "--port", str(self.port),
+                "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.slots), "-c", str(self.ctx),
+                "--metrics", "--no-webui", *self.args]
+
+    def start(self, speedup: float = 1.0, log_dir: str = "", new_session: bool = False) -> None:
+        self.port = self.port or free_port()
+        log = open(os.path.join(log_dir or tempfile.gettempdir(), f"{self.name}.log"), "wb")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=new_session)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until /health answers 200 (the model is loaded; before that it answers 503)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server {self.name} exited with {self.proc.returncode}")
+            try:
+                if request(self.port, "GET", "/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"llama-server {self.name} not ready after {timeout}s")
+
+
+LLAMA_SITE = {"worker_id_header": True, "metrics_clusters": True}
+
+
+def llama_kvroute(poll_ms: int = 500, **extra) -> dict:
+    """kvroute options for a llama-server fleet (`Stack(kvroute=...)` overrides): no prefill
+    pool, load from each engine's /metrics every `poll_ms` through its `-metrics` cluster."""
+    cfg = {"block_size": LLAMA_BLOCK, "disaggregation": {"threshold_tokens": 0},
+           "metrics": {"poll_ms": poll_ms, "path": "/metrics", "cluster_suffix": "-metrics"}}
+    cfg.update(extra)
+    return cfg
+
+
+def sse_usage(chunks: list) -> dict:
+    """The `usage` object of a streamed answer (the last chunk that carries one)."""
+    usage: dict = {}
+    for line in b"".join(c for _, c in chunks).decode(errors="replace").split("\n"):
+        if line.startswith("data: {") and '"usage":{' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage") or usage
+            except ValueError:
+                pass
+    return usage
