@@ -340,6 +340,7 @@ impl Default for LimitsConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Scrape every worker this often (one VM scrapes and replicates the result); 0 is off.
+    /// Polls run on the filter's 250 ms tick, so this is at least 250.
     pub poll_ms: u64,
     /// Path of the engine's Prometheus text endpoint.
     pub path: String,
@@ -542,8 +543,11 @@ impl Config {
             return Err(err("load.prefill_tokens_per_s", "must be > 0"));
         }
         let m = &self.metrics;
-        if m.poll_ms > 0 && m.poll_ms < 50 {
-            return Err(err("metrics.poll_ms", "must be 0 (off) or at least 50"));
+        if m.poll_ms > 0 && m.poll_ms < 250 {
+            return Err(err(
+                "metrics.poll_ms",
+                "must be 0 (off) or at least 250 (the filter's tick)",
+            ));
         }
         if !m.path.starts_with('/') || !is_header_value(&m.path) {
             return Err(err("metrics.path", "must be a path starting with '/'"));
@@ -679,7 +683,7 @@ mod tests {
             parse(r#"{"workers":[{"name":"a"}],"metrics":{"poll_ms":500,"path":"/m"}}"#).unwrap();
         assert_eq!((c.metrics.poll_ms, c.metrics.path.as_str()), (500, "/m"));
         for (json, field) in [
-            (r#"{"poll_ms":10}"#, "metrics.poll_ms"),
+            (r#"{"poll_ms":200}"#, "metrics.poll_ms"),
             (r#"{"path":"metrics"}"#, "metrics.path"),
             (r#"{"path":"/a b"}"#, "metrics.path"),
             (r#"{"timeout_ms":0}"#, "metrics.timeout_ms"),

@@ -125,6 +125,8 @@ pub fn parse_load(text: &str) -> Option<OrcaLoad> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const LLAMA: &str = "\
 # HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.

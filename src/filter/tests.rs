@@ -17,6 +17,8 @@ use std::time::Duration;
 
 /// A local response: status, headers, body.
 type Sent = (u32, Vec<(String, String)>, Vec<u8>);
+/// An HTTP call the filter made: token, cluster, headers.
+type Call = (u32, String, Vec<(String, String)>);
 
 #[derive(Default)]
 struct Fake {
@@ -36,7 +38,7 @@ struct Fake {
     /// Calls that answer with an error.
     failing: Vec<&'static str>,
     /// HTTP calls made: token, cluster, headers.
-    calls: Vec<(u32, String, Vec<(String, String)>)>,
+    calls: Vec<Call>,
     /// The answer the current `on_http_call_response` reads.
     call_headers: Vec<(String, Vec<u8>)>,
     call_body: Vec<u8>,

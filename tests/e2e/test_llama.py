@@ -136,7 +136,7 @@ def test_token_estimate_converges_to_the_engine_count():
 
 
 def test_metrics_poller_reads_llama_server_metrics():
-    with llama_stack(llama_kvroute(poll_ms=200)) as s:
+    with llama_stack(llama_kvroute(poll_ms=250)) as s:
         time.sleep(1.0)
         first = stat(s, 'kvroute_feedback_total{kind="metrics"}')
         assert first >= 2, s.stats()
@@ -169,7 +169,7 @@ def test_metrics_poller_reads_llama_server_metrics():
 
 
 def test_killed_worker_loses_nothing_that_can_be_retried():
-    with llama_stack(llama_kvroute(poll_ms=200)) as s:
+    with llama_stack(llama_kvroute(poll_ms=250)) as s:
         doc = [{"role": "system", "content": text(4242, 5000)}]
         warm = chat(s, doc + [{"role": "user", "content": "hello"}])
         victim = next(w for w in s.workers if w.name == warm["worker"])
