@@ -9,6 +9,7 @@ requests are in flight. Skipped when llama-server is not built (`make test` buil
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -183,7 +184,24 @@ def test_killed_worker_loses_nothing_that_can_be_retried():
             msgs = doc + [{"role": "user", "content": f"in flight {i}"}]
             results.append(request(s.listen, "POST", CHAT, {**long_body, "messages": msgs}, timeout=120))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        streamed = []
+
+        def streaming():
+            msgs = doc + [{"role": "user", "content": "streaming while it dies"}]
+            conn = http.client.HTTPConnection("127.0.0.1", s.listen, timeout=120)
+            conn.request("POST", CHAT, body=json.dumps({**long_body, "messages": msgs, "stream": True}),
+                         headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            body = b""
+            try:
+                while piece := r.read1(65536):
+                    body += piece
+            except (http.client.HTTPException, ValueError, OSError):
+                pass  # the stream was cut: chunked encoding ends mid-chunk
+            conn.close()
+            streamed.append((r.status, {k.lower(): v for k, v in r.getheaders()}, body))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=streaming)]
         for t in threads:
             t.start()
         time.sleep(0.6)
@@ -193,6 +211,13 @@ def test_killed_worker_loses_nothing_that_can_be_retried():
         statuses = [r[0] for r in results]
         assert statuses == [200] * 3, statuses
         assert all(r[1].get("x-worker-id") == other.name for r in results), [r[1].get("x-worker-id") for r in results]
+        # A stream whose headers had gone out cannot be retried (the client already has part of
+        # the answer): it ends without [DONE]. One on the survivor completes.
+        status, headers, body = streamed[0]
+        done = b"data: [DONE]" in body
+        print(f"\nstream served by {headers.get('x-worker-id')} (killed: {victim.name}), complete: {done}")
+        assert status == 200
+        assert done == (headers.get("x-worker-id") == other.name), (headers.get("x-worker-id"), done)
         # Afterwards everything goes to the survivor, and the poller counts the dead one.
         after = [chat(s, doc + [{"role": "user", "content": f"after {i}"}]) for i in range(4)]
         assert [r["status"] for r in after] == [200] * 4
