@@ -15,9 +15,11 @@
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
 //! At low load the cost is the wait for the first token, so an idle cold worker beats a
 //! queued warm one. As queues grow, prefill recomputed on a busy worker delays whoever queues
-//! behind it, so the recompute term grows with that worker's queue and keeps each prefix
-//! family where it is cached, spilling only to a worker with room to recompute it. Decode work (per
-//! request, not per shared block) is what spreads a burst of identical cached requests.
+//! behind it, so the recompute term grows with the queues and keeps each prefix family where
+//! it is cached, spilling only to a worker with room to recompute it. Into a full cache a copy
+//! of a prefix held elsewhere also pushes out content no one else holds (duplicate), which
+//! partitions the working set under eviction pressure. Decode work (per request, not per
+//! shared block) is what spreads a burst of identical cached requests.
 
 use crate::config::Config;
 use crate::ids::WorkerId;
@@ -154,8 +156,8 @@ impl Pool {
 /// Weight of the prefill `c` would recompute, on top of the wait it causes: recomputed work
 /// delays whoever queues behind it, and a queue grows as utilisation / (1 - utilisation), so
 /// the requests waiting for prefill on `c`, or on the pool's median worker if more
-/// (`fleet`, [`Pool::waiting`]), stand for that delay. With idle workers around a prefix is recomputed
-/// for free; a busy fleet keeps each prefix where it is cached.
+/// (`fleet`, [`Pool::waiting`]), stand for that delay. With idle workers around a prefix is
+/// recomputed for free; a busy fleet keeps each prefix where it is cached.
 pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
     (p.recompute_weight * f64::from(c.load.prefilling.max(fleet))).min(p.recompute_weight_max)
 }
