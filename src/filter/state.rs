@@ -374,7 +374,7 @@ impl State {
                 self.broadcast(&[ev]);
                 if let Some(f) = self.poller.failing.get_mut(usize::from(w)) {
                     if core::mem::take(f) {
-                        let name = self.worker_name(w);
+                        let name = self.router.worker_name(w);
                         self.host.log(
                             LogLevel::Info,
                             &format!("kvroute: metrics of worker {name} readable again"),
@@ -419,22 +419,13 @@ impl State {
         }
         if let Some(f) = self.poller.failing.get_mut(usize::from(w)) {
             if !core::mem::replace(f, true) {
-                let name = self.worker_name(w);
+                let name = self.router.worker_name(w);
                 self.host.log(
                     LogLevel::Warn,
                     &format!("kvroute: scraping the metrics of worker {name} failed: {why}"),
                 );
             }
         }
-    }
-
-    fn worker_name(&self, w: WorkerId) -> String {
-        self.router
-            .config()
-            .workers
-            .get(usize::from(w))
-            .map(|c| c.name.clone())
-            .unwrap_or_default()
     }
 
     fn publish_gauges(&self, now: u64) {

@@ -821,35 +821,29 @@ async fn vllm_router_preparation_bodies_get_the_cached_ids() {
     assert_eq!(r.as_array().unwrap().len(), 1);
     assert_eq!(r[0]["token_ids"], ids);
     assert_eq!(r[0]["stream"], true);
-    let t = post(
+    let t = post_json(
         w.addr,
         "/tokenize",
-        &json!({"model": "mock-model", "prompt": prompt}).to_string(),
-        &[],
+        &json!({"model": "mock-model", "prompt": prompt}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(t["tokens"], ids);
     assert_eq!(t["count"], n);
 
     // The engine caches exactly these ids: serve the text, then send the ids as the prompt.
-    let first = post(
+    let first = post_json(
         w.addr,
         "/v1/completions",
-        &json!({"prompt": prompt, "max_tokens": 1}).to_string(),
-        &[],
+        &json!({"prompt": prompt, "max_tokens": 1}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(first["usage"]["prompt_tokens"], n);
-    let again = post(
+    let again = post_json(
         w.addr,
         "/v1/completions",
-        &json!({"prompt": ids, "max_tokens": 1}).to_string(),
-        &[],
+        &json!({"prompt": ids, "max_tokens": 1}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(
         again["usage"]["prompt_tokens_details"]["cached_tokens"],
         (n - 1) / 16 * 16
@@ -875,45 +869,31 @@ async fn vllm_router_preparation_bodies_get_the_cached_ids() {
     .await;
     assert_eq!(cr.status, 200, "{}", cr.body);
     assert_eq!(cr.json()["token_ids"], chat_ids);
-    let ct = post(
+    let ct = post_json(
         w.addr,
         "/tokenize",
-        &json!({"model": "mock-model", "continue_final_message": false, "messages": msgs})
-            .to_string(),
-        &[],
+        &json!({"model": "mock-model", "continue_final_message": false, "messages": msgs}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(ct["tokens"], chat_ids);
     assert_eq!(ct["count"], cn);
     // The completion form of the rendered text gives the same ids.
-    let as_text = post(
-        w.addr,
-        "/tokenize",
-        &json!({"prompt": rendered}).to_string(),
-        &[],
-    )
-    .await
-    .json();
+    let as_text = post_json(w.addr, "/tokenize", &json!({"prompt": rendered})).await;
     assert_eq!(as_text["tokens"], chat_ids);
     // Serve the chat, then its rendered text as a completion: every full block is a hit.
-    let chat = post(
+    let chat = post_json(
         w.addr,
         "/v1/chat/completions",
-        &json!({"messages": msgs, "max_tokens": 1}).to_string(),
-        &[],
+        &json!({"messages": msgs, "max_tokens": 1}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(chat["usage"]["prompt_tokens"], cn);
-    let same = post(
+    let same = post_json(
         w.addr,
         "/v1/completions",
-        &json!({"prompt": rendered, "max_tokens": 1}).to_string(),
-        &[],
+        &json!({"prompt": rendered, "max_tokens": 1}),
     )
-    .await
-    .json();
+    .await;
     assert_eq!(
         same["usage"]["prompt_tokens_details"]["cached_tokens"],
         (cn - 1) / 16 * 16

@@ -126,6 +126,11 @@ pub async fn post(addr: SocketAddr, path: &str, body: &str, headers: &[(&str, &s
     request(addr, Method::POST, path, body, headers).await
 }
 
+/// POSTs a JSON body and reads the answer as JSON.
+pub async fn post_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
+    post(addr, path, &body.to_string(), &[]).await.json()
+}
+
 pub async fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, Method::GET, path, "", &[]).await
 }
