@@ -27,10 +27,20 @@ MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
 WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now and that this process has not handed out before: the
+    kernel may give a just-closed port back at once, and two workers of one stack would then
+    both try to listen on it (seen in CI)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_port(port: int, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
