@@ -23,7 +23,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
+from kvstack import free_port  # noqa: E402  (one port never handed out twice)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenarios  # noqa: E402  (the scenario table)
@@ -180,12 +180,6 @@ def _on_signal(sig, _frame):
 atexit.register(Procs.stop_all)
 signal.signal(signal.SIGTERM, _on_signal)
 signal.signal(signal.SIGINT, _on_signal)
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method, url, body=None, timeout=5.0, headers=None):
