@@ -170,6 +170,27 @@ pub fn prompt_hashes_limited(
     }
 }
 
+/// The chain seed of a model and cache salt, as `prompt_hashes` uses it: for kvroute-relay,
+/// which re-keys engine KV events into the filter's hashes.
+pub fn chain_seed(model: &str, salt: Option<&str>) -> u64 {
+    seed(model, salt)
+}
+
+/// Chained hash of one full block of token ids following `parent` (`None` for a prompt's
+/// first block): block i of `prompt_hashes` for a token-id prompt is
+/// `token_block_hash(hash of block i-1, ids of block i, chain_seed(model, salt))`.
+pub fn token_block_hash(parent: Option<u64>, tokens: &[u32], seed: u64) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len().saturating_mul(4));
+    for token in tokens {
+        bytes.extend_from_slice(&token.to_le_bytes());
+    }
+    let local = xxh3_64_with_seed(&bytes, seed);
+    match parent {
+        None => local,
+        Some(parent) => xxh3_64_with_seed(&pair(parent, local), seed),
+    }
+}
+
 fn token_blocks(tokens: &[u32], per_block: usize, seed: u64, max_blocks: usize) -> Vec<u64> {
     let mut chain = Chain::new(seed, per_block.saturating_mul(4), 0, max_blocks);
     chain

@@ -11,6 +11,7 @@ pub mod hashing;
 pub mod ids;
 pub mod index;
 pub mod load;
+pub mod precise;
 pub mod prom;
 pub mod replication;
 pub mod request;

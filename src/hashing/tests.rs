@@ -55,6 +55,28 @@ fn token_chain_matches_hand_reference() {
 }
 
 #[test]
+fn relay_rekeying_reproduces_token_prompt_hashes() {
+    let p = HashParams {
+        block_size: 3,
+        chars_per_token: 4.0,
+    };
+    let ids: Vec<u32> = (0..10).map(|i| i * 977 + 5).collect();
+    let body = format!(r#"{{"model":"m","prompt":{ids:?},"cache_salt":"s"}}"#);
+    let want = completion_hashes(&body, &p).blocks;
+    let s = chain_seed("m", Some("s"));
+    let mut parent = None;
+    let mut got = Vec::new();
+    for block in ids.chunks_exact(3) {
+        let h = token_block_hash(parent, block, s);
+        got.push(h);
+        parent = Some(h);
+    }
+    assert_eq!(want.len(), 3);
+    assert_eq!(got, want);
+    assert_ne!(chain_seed("m", None), s);
+}
+
+#[test]
 fn token_partial_tail_not_hashed_but_counted() {
     let p = HashParams::default();
     let ids: Vec<String> = (0..40).map(|i| i.to_string()).collect();
