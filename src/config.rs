@@ -32,6 +32,7 @@ pub struct Config {
     pub health: HealthConfig,
     pub limits: LimitsConfig,
     pub metrics: MetricsConfig,
+    pub precise: PreciseConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -55,6 +56,7 @@ impl Default for Config {
             health: HealthConfig::default(),
             limits: LimitsConfig::default(),
             metrics: MetricsConfig::default(),
+            precise: PreciseConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -367,6 +369,32 @@ impl Default for MetricsConfig {
     }
 }
 
+/// Precise mode: the engines' own KV cache events, streamed by kvroute-relay over gRPC.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PreciseConfig {
+    /// Envoy cluster of kvroute-relay (HTTP/2). Empty: precise mode is off and the index
+    /// holds kvroute's own predictions only.
+    pub cluster: String,
+    /// A pick confirmed on an engine-fed worker still counts for this long (until the
+    /// engine's own event for it has arrived), then only the engine's events do.
+    pub speculative_ms: u64,
+    /// Reconnect backoff after the stream fails: starts here, doubles up to `retry_max_ms`.
+    pub retry_min_ms: u64,
+    pub retry_max_ms: u64,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        Self {
+            cluster: String::new(),
+            speculative_ms: 2_000,
+            retry_min_ms: 250,
+            retry_max_ms: 8_000,
+        }
+    }
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -561,6 +589,19 @@ impl Config {
         if m.max_bytes == 0 {
             return Err(err("metrics.max_bytes", "must be at least 1"));
         }
+        let p = &self.precise;
+        if !p.cluster.is_empty() && !is_header_value(&p.cluster) {
+            return Err(err("precise.cluster", "must be an Envoy cluster name"));
+        }
+        if p.speculative_ms > 600_000 {
+            return Err(err("precise.speculative_ms", "must be at most 600000"));
+        }
+        if p.retry_min_ms == 0 || p.retry_min_ms > p.retry_max_ms || p.retry_max_ms > 600_000 {
+            return Err(err(
+                "precise.retry_min_ms",
+                "must be at least 1 and at most precise.retry_max_ms (at most 600000)",
+            ));
+        }
         Ok(())
     }
 
@@ -697,5 +738,29 @@ mod tests {
             assert_eq!(e.field, field, "{json}: {e}");
         }
         assert!(parse(r#"{"workers":[{"name":"a"}],"metrics":{"poll":1}}"#).is_err());
+    }
+
+    #[test]
+    fn precise_section() {
+        let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
+        assert_eq!(c.precise.cluster, "");
+        let c = parse(r#"{"workers":[{"name":"a"}],"precise":{"cluster":"relay"}}"#).unwrap();
+        assert_eq!(
+            (c.precise.cluster.as_str(), c.precise.speculative_ms),
+            ("relay", 2000)
+        );
+        for (json, field) in [
+            (r#"{"cluster":"a b"}"#, "precise.cluster"),
+            (r#"{"retry_min_ms":0}"#, "precise.retry_min_ms"),
+            (r#"{"retry_min_ms":9000}"#, "precise.retry_min_ms"),
+            (r#"{"speculative_ms":700000}"#, "precise.speculative_ms"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"workers":[{{"name":"a"}}],"precise":{json}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+        }
+        assert!(parse(r#"{"workers":[{"name":"a"}],"precise":{"clustr":"x"}}"#).is_err());
     }
 }

@@ -30,6 +30,10 @@ const TAG_RECOVERED: u8 = 6;
 const TAG_FORGET: u8 = 7;
 const TAG_CALIBRATE: u8 = 8;
 const TAG_CONFIRMED: u8 = 9;
+const TAG_ENGINE_STORED: u8 = 10;
+const TAG_ENGINE_REMOVED: u8 = 11;
+const TAG_ENGINE_CLEARED: u8 = 12;
+const TAG_ENGINE_FEED: u8 = 13;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -66,6 +70,27 @@ pub enum Event {
     /// New chars-per-token estimate for text prompts.
     Calibrate {
         chars_per_token: f64,
+    },
+    /// Precise mode: the engine itself reports holding these blocks (from kvroute-relay).
+    EngineStored {
+        worker: WorkerId,
+        hashes: Vec<u64>,
+    },
+    /// Precise mode: the engine evicted these blocks.
+    EngineRemoved {
+        worker: WorkerId,
+        hashes: Vec<u64>,
+    },
+    /// Precise mode: the engine holds nothing from before (cache reset, restart, a gap in
+    /// its events that could not be repaired).
+    EngineCleared {
+        worker: WorkerId,
+    },
+    /// The relay's stream does (`on`) or no longer does describe this worker's cache; while
+    /// it does, the engine's events are the index's truth and picks stay speculative.
+    EngineFeed {
+        worker: WorkerId,
+        on: bool,
     },
 }
 
@@ -122,6 +147,10 @@ impl Event {
             Event::Recovered { .. } => TAG_RECOVERED,
             Event::Forget { .. } => TAG_FORGET,
             Event::Calibrate { .. } => TAG_CALIBRATE,
+            Event::EngineStored { .. } => TAG_ENGINE_STORED,
+            Event::EngineRemoved { .. } => TAG_ENGINE_REMOVED,
+            Event::EngineCleared { .. } => TAG_ENGINE_CLEARED,
+            Event::EngineFeed { .. } => TAG_ENGINE_FEED,
         }
     }
 }
@@ -151,11 +180,18 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u64(o, *at_ms);
         }
         Event::Recovered { worker } => put_u16(o, *worker),
-        Event::Forget { worker, hashes } => {
+        Event::Forget { worker, hashes }
+        | Event::EngineStored { worker, hashes }
+        | Event::EngineRemoved { worker, hashes } => {
             put_u16(o, *worker);
             put_hashes(o, hashes);
         }
         Event::Calibrate { chars_per_token } => put_u64(o, chars_per_token.to_bits()),
+        Event::EngineCleared { worker } => put_u16(o, *worker),
+        Event::EngineFeed { worker, on } => {
+            put_u16(o, *worker);
+            o.push(u8::from(*on));
+        }
     }
 }
 
@@ -293,6 +329,26 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             }
             Event::Calibrate { chars_per_token }
         }
+        TAG_ENGINE_STORED => Event::EngineStored {
+            worker: r.u16().ok_or(t)?,
+            hashes: r.hashes().ok_or(t)?,
+        },
+        TAG_ENGINE_REMOVED => Event::EngineRemoved {
+            worker: r.u16().ok_or(t)?,
+            hashes: r.hashes().ok_or(t)?,
+        },
+        TAG_ENGINE_CLEARED => Event::EngineCleared {
+            worker: r.u16().ok_or(t)?,
+        },
+        TAG_ENGINE_FEED => {
+            let worker = r.u16().ok_or(t)?;
+            let on = match r.u8().ok_or(t)? {
+                0 => false,
+                1 => true,
+                _ => return Err(DecodeError::Invalid),
+            };
+            Event::EngineFeed { worker, on }
+        }
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -417,6 +473,23 @@ mod tests {
             },
             Event::Calibrate {
                 chars_per_token: 4.25,
+            },
+            Event::EngineStored {
+                worker: 1,
+                hashes: vec![u64::MAX, 0],
+            },
+            Event::EngineRemoved {
+                worker: 2,
+                hashes: vec![],
+            },
+            Event::EngineCleared { worker: 3 },
+            Event::EngineFeed {
+                worker: 3,
+                on: true,
+            },
+            Event::EngineFeed {
+                worker: 0,
+                on: false,
             },
         ]
     }

@@ -13,6 +13,7 @@ use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
 use crate::request::{parse, ApiKind, ParseError};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
+use std::collections::VecDeque;
 
 /// Why a request was not cache-routed (it still goes to the least-loaded healthy worker).
 #[derive(Debug, Clone, PartialEq)]
@@ -118,6 +119,12 @@ pub struct Router {
     speculative: Speculative,
     /// Local decisions not yet in `speculative`: (request, its blocks).
     pending: Vec<(RequestId, Pending)>,
+    /// Per worker: kvroute-relay streams this engine's own KV events (precise mode), so the
+    /// index follows the engine and confirmed picks stay speculative until it reports them.
+    engine_fed: Vec<bool>,
+    /// Confirmed requests on engine-fed workers, kept speculative until the engine's events
+    /// have had time to arrive: (drop at ms, request).
+    confirmed: VecDeque<(u64, RequestId)>,
 }
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
@@ -179,6 +186,8 @@ impl Router {
             seq: 0,
             speculative: Speculative::new(hash_key),
             pending: Vec::new(),
+            engine_fed: Vec::new(),
+            confirmed: VecDeque::new(),
         }
     }
 
@@ -483,16 +492,24 @@ impl Router {
             }
             Event::Confirmed { id } => {
                 self.flush();
-                if let Some(p) = self.speculative.take(*id) {
+                if self.speculative.get(*id).is_some_and(|p| self.fed(p)) {
+                    // The engine's own events will say what it cached; until they arrive
+                    // (milliseconds) the pick still counts, then it must not linger.
+                    let until = now_ms.saturating_add(self.cfg.precise.speculative_ms);
+                    self.confirmed.push_back((until, *id));
+                } else if let Some(p) = self.speculative.take(*id) {
                     self.record_prefix(p.worker, p.prefill, &p.hashes, p.at_ms);
                 }
             }
             Event::Free { id } => {
                 self.load.free(*id);
                 // Ended without a successful first byte (rejected, aborted, failed): the
-                // engine cached nothing we can count on.
+                // engine cached nothing we can count on. Requests confirmed on an engine-fed
+                // worker leave on their own deadline (`confirmed`).
                 self.flush();
-                self.speculative.take(*id);
+                if !self.confirmed.iter().any(|&(_, c)| c == *id) {
+                    self.speculative.take(*id);
+                }
             }
             Event::Report { worker, report } => self.load.report(*worker, *report),
             Event::Failed { worker, at_ms } => {
@@ -500,14 +517,41 @@ impl Router {
                     .mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
             }
             Event::Recovered { worker } => self.load.mark_ok(*worker),
-            Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
+            Event::Forget { worker, hashes } | Event::EngineRemoved { worker, hashes } => {
+                self.index.truncate(*worker, hashes, 0)
+            }
+            Event::EngineStored { worker, hashes } => self.index.insert(*worker, hashes, now_ms),
+            Event::EngineCleared { worker } => self.index.clear(*worker),
+            Event::EngineFeed { worker, on } => {
+                let w = usize::from(*worker);
+                if w < self.cfg.workers.len() {
+                    if self.engine_fed.len() <= w {
+                        self.engine_fed.resize(w + 1, false);
+                    }
+                    if let Some(f) = self.engine_fed.get_mut(w) {
+                        *f = *on;
+                    }
+                }
+            }
             Event::Calibrate { chars_per_token } => {
                 if chars_per_token.is_finite() && CHARS_PER_TOKEN_RANGE.contains(chars_per_token) {
                     self.chars_per_token = *chars_per_token;
                 }
             }
         }
-        let _ = now_ms;
+    }
+
+    /// Whether the engine's own KV events describe this worker's cache (precise mode).
+    pub fn engine_fed(&self, w: WorkerId) -> bool {
+        self.engine_fed
+            .get(usize::from(w))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.
+    fn fed(&self, p: &Pending) -> bool {
+        self.engine_fed(p.worker) && p.prefill.is_none_or(|w| self.engine_fed(w))
     }
 
     /// First response byte: the prompt has been computed. `success` (a 2xx answer) also
@@ -616,6 +660,13 @@ impl Router {
         // A confirmation or end that never arrived (lost with its VM).
         self.speculative
             .expire(now_ms.saturating_sub(self.cfg.load.request_ttl_ms));
+        while let Some(&(until, id)) = self.confirmed.front() {
+            if until > now_ms {
+                break;
+            }
+            self.confirmed.pop_front();
+            self.speculative.take(id);
+        }
         let stale = self.index.expire(now_ms, 4096);
         (lost, stale)
     }
@@ -819,6 +870,70 @@ mod tests {
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 3));
         assert_ne!(again.decode, d.decode, "avoids the failed worker");
         assert_eq!(again.overlap_tokens, 0);
+    }
+
+    #[test]
+    fn engine_fed_workers_trust_engine_events_over_their_own_picks() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
+        for w in 0..4 {
+            r.apply(
+                &Event::EngineFeed {
+                    worker: w,
+                    on: true,
+                },
+                0,
+            );
+        }
+        assert!(r.engine_fed(2) && !r.engine_fed(4));
+        let text = doc(6, 8000);
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        let w = usize::from(d.decode);
+        let n = d.hashes().len() as u32;
+        r.on_first_byte(&d, true, 10);
+        r.on_finish(&d, 20);
+        let mut held = vec![0u32; 6];
+        // Confirmed on an engine-fed worker: still counted while the engine's event is due.
+        r.held_blocks(d.hashes(), 30, &mut held);
+        assert_eq!(held[w], n);
+        // The engine never reported it: after `precise.speculative_ms` it is not held.
+        r.tick(10 + 2_000);
+        r.held_blocks(d.hashes(), 2_010, &mut held);
+        assert_eq!(held[w], 0, "a pick the engine never confirmed lingers");
+        assert_eq!(r.speculative_requests(), 0);
+        // What the engine reports is held, and a reset (restart) drops it at once.
+        let other = (d.decode + 1) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: other,
+                hashes: d.hashes().to_vec(),
+            },
+            2_100,
+        );
+        r.held_blocks(d.hashes(), 2_100, &mut held);
+        assert_eq!(held[usize::from(other)], n);
+        let again = routed(r.route(ApiKind::Completions, &completion(&text), 2_200));
+        assert_eq!(again.decode, other);
+        r.on_first_byte(&again, true, 2_210);
+        r.on_finish(&again, 2_220);
+        r.apply(&Event::EngineCleared { worker: other }, 2_300);
+        r.tick(2_210 + 2_000);
+        r.held_blocks(d.hashes(), 4_300, &mut held);
+        assert_eq!(held[usize::from(other)], 0);
+        // Without the feed, a confirmed pick goes into the index as before.
+        r.apply(
+            &Event::EngineFeed {
+                worker: other,
+                on: false,
+            },
+            4_400,
+        );
+        let third = routed(r.route(ApiKind::Completions, &completion(&text), 4_500));
+        r.on_first_byte(&third, true, 4_510);
+        r.on_finish(&third, 4_520);
+        r.tick(9_000);
+        r.held_blocks(d.hashes(), 9_000, &mut held);
+        let kept = usize::from(third.decode);
+        assert_eq!(held[kept], if r.engine_fed(third.decode) { 0 } else { n });
     }
 
     #[test]

@@ -389,6 +389,11 @@ impl PrefixIndex {
         }
     }
 
+    /// Drops every entry of worker w (its engine reported an empty cache).
+    pub fn clear(&mut self, w: WorkerId) {
+        self.evict_to(w as usize, 0);
+    }
+
     /// Drop expired entries, looking at no more than `max_work` entries (each worker visited
     /// costs one too). Returns the number of entries dropped. Expired entries sit at the tail
     /// of their worker's LRU list, so nothing fresh is scanned beyond one entry per worker.

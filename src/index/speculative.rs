@@ -59,6 +59,10 @@ impl Speculative {
         self.reqs.insert(id, p);
     }
 
+    pub fn get(&self, id: RequestId) -> Option<&Pending> {
+        self.reqs.get(&id)
+    }
+
     /// Removes request `id` and returns it (to insert into the index when confirmed).
     pub fn take(&mut self, id: RequestId) -> Option<Pending> {
         let p = self.reqs.remove(&id)?;
