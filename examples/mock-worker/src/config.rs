@@ -56,6 +56,15 @@ pub struct Config {
     /// Report the engine's own timing (`x-mock-engine-timing`), the mock's one addition to
     /// vLLM's responses.
     pub engine_timing: bool,
+    /// `--kv-events`: bind a ZeroMQ PUB socket there and publish vLLM's KV cache events.
+    pub kv_events: Option<String>,
+    /// `--kv-events-replay`: bind vLLM's ROUTER replay socket there.
+    pub kv_events_replay: Option<String>,
+    /// Topic frame of every event message (vLLM's default is empty).
+    pub kv_events_topic: String,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    pub kv_events_buffer: usize,
+    pub kv_events_format: crate::kv_events::Format,
 }
 
 /// A real deployment's capacity: what vLLM would size on that hardware.
@@ -156,6 +165,11 @@ impl Default for Config {
             context_attention: true,
             cache_at_pass_end: false,
             engine_timing: true,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: String::new(),
+            kv_events_buffer: 10_000,
+            kv_events_format: crate::kv_events::Format::Array,
         };
         c.apply_preset(&PRESETS[0]);
         c
@@ -213,6 +227,20 @@ Engine timing:
   --no-engine-timing           Omit the x-mock-engine-timing report (header on JSON responses,
                                SSE comment before [DONE]): ttft and e2e in seconds on the
                                engine's own schedule, immune to CPU contention
+
+KV cache events (vLLM's --kv-events-config with the zmq publisher; off by default):
+  --kv-events tcp://HOST:PORT  Bind a ZeroMQ PUB socket there and publish a KVEventBatch
+                               (BlockStored, BlockRemoved, AllBlocksCleared) per engine step:
+                               frames [topic, 8-byte big-endian seq from 0, msgpack]
+  --kv-events-replay tcp://HOST:PORT
+                               Bind vLLM's ROUTER replay socket: a request [\"\", start seq]
+                               gets every buffered [\"\", seq, payload] from start on, then
+                               [\"\", -1, \"\"]
+  --kv-events-topic T          Topic frame [default: empty, as vLLM]
+  --kv-events-buffer N         Batches kept for replay (vLLM buffer_steps) [default: 10000]
+  --kv-events-format F         array: positional events (vLLM before PR #42892); map: events
+                               as maps tagged \"type\" (vLLM since mid 2026) [default: array]
+  POST /reset_prefix_cache clears the prefix cache and publishes AllBlocksCleared.
 
 Old mock behaviour:
   --orca-on-stream             ORCA report on every response, streams included (taken when
@@ -317,6 +345,15 @@ impl Config {
                         .map(String::from)
                         .collect()
                 }
+                "--kv-events" => c.kv_events = Some(val()?),
+                "--kv-events-replay" => c.kv_events_replay = Some(val()?),
+                "--kv-events-topic" => c.kv_events_topic = val()?,
+                "--kv-events-buffer" => c.kv_events_buffer = num(&flag, &val()?)?,
+                "--kv-events-format" => {
+                    let v = val()?;
+                    c.kv_events_format = crate::kv_events::Format::parse(&v)
+                        .ok_or_else(|| format!("--kv-events-format: array or map, not {v:?}"))?;
+                }
                 "--kv-bytes-per-token" => c.kv_bytes_per_token = num(&flag, &val()?)?,
                 "--kv-transfer-bandwidth" => c.kv_transfer_bandwidth = num(&flag, &val()?)?,
                 _ => return Err(format!("unknown flag {arg:?} (see --help)")),
@@ -342,6 +379,14 @@ impl Config {
         }
         if self.block_size > 64 * 1024 || self.kv_blocks >= u32::MAX as usize {
             return Err("--block-size or --kv-blocks out of range".into());
+        }
+        if self.kv_events.is_none() && self.kv_events_replay.is_some() {
+            return Err("--kv-events-replay needs --kv-events".into());
+        }
+        for ep in [&self.kv_events, &self.kv_events_replay].into_iter().flatten() {
+            if !ep.starts_with("tcp://") {
+                return Err(format!("KV events endpoint {ep:?}: expected tcp://HOST:PORT"));
+            }
         }
         if !(self.speedup > 0.0 && self.speedup.is_finite()) {
             return Err("--speedup must be a positive number".into());
@@ -410,6 +455,18 @@ mod tests {
         assert!(parse("--port").is_err());
         assert!(parse("--speedup 0").is_err());
         assert_eq!(parse("").unwrap().unwrap().worker_name(8001), "mock-8001");
+        let c = parse("--kv-events tcp://127.0.0.1:5557 --kv-events-replay=tcp://*:5558 --kv-events-topic kv --kv-events-buffer 5 --kv-events-format map")
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert_eq!(c.kv_events_replay.as_deref(), Some("tcp://*:5558"));
+        assert_eq!((c.kv_events_topic.as_str(), c.kv_events_buffer), ("kv", 5));
+        assert_eq!(c.kv_events_format, crate::kv_events::Format::Map);
+        let d = parse("").unwrap().unwrap();
+        assert_eq!((d.kv_events.is_none(), d.kv_events_topic.as_str(), d.kv_events_buffer), (true, "", 10_000));
+        assert!(parse("--kv-events-replay tcp://127.0.0.1:1").is_err());
+        assert!(parse("--kv-events 127.0.0.1:1").is_err());
+        assert!(parse("--kv-events-format json").is_err());
     }
 
     #[test]

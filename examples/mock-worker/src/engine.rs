@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::config::Config;
 use crate::kv::{self, BlockId, KvCache};
+use crate::kv_events::{Batch, KvEvent};
 use crate::metrics::Metrics;
 use crate::tokenizer;
 
@@ -187,6 +188,8 @@ pub struct EngineState {
     context_attention: bool,
     cache_at_schedule: bool,
     pub metrics: Metrics,
+    /// `--kv-events`: where each step's KV cache events go (never waited on).
+    events_tx: Option<mpsc::Sender<Batch>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -208,7 +211,41 @@ impl EngineState {
             context_attention: cfg.context_attention,
             cache_at_schedule: !cfg.cache_at_pass_end,
             metrics: Metrics::default(),
+            events_tx: None,
         }
+    }
+
+    /// Starts publishing KV cache events to `tx`, beginning (as vLLM's first batch does)
+    /// with AllBlocksCleared.
+    pub fn publish_events(&mut self, tx: mpsc::Sender<Batch>) {
+        self.cache.enable_events();
+        self.events_tx = Some(tx);
+        self.send_batch(vec![KvEvent::AllBlocksCleared]);
+    }
+
+    /// Hands this step's events to the publisher, or drops and counts them when its queue is
+    /// full: the engine never waits for subscribers.
+    fn flush_events(&mut self) {
+        if self.events_tx.is_some() {
+            let events = self.cache.take_events();
+            if !events.is_empty() {
+                self.send_batch(events);
+            }
+        }
+    }
+
+    fn send_batch(&mut self, events: Vec<KvEvent>) {
+        if let Some(tx) = &self.events_tx {
+            if tx.try_send(Batch::now(events)).is_err() {
+                self.metrics.kv_event_batches_dropped += 1;
+            }
+        }
+    }
+
+    /// vLLM's `POST /reset_prefix_cache`.
+    pub fn reset_prefix_cache(&mut self) {
+        self.cache.reset_prefix_cache();
+        self.flush_events();
     }
 
     pub fn load(&self) -> Load {
@@ -268,9 +305,7 @@ impl EngineState {
         let full = upto / bs;
         if full > s.registered {
             kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
-            for j in s.registered..full {
-                cache.register(s.blocks[j], s.hashes[j]);
-            }
+            cache.register_run(&s.blocks, &s.hashes, &s.tokens, bs, s.registered, full);
             s.registered = full;
         }
     }
@@ -349,8 +384,8 @@ impl EngineState {
             // Transferred KV arrived already computed: its full blocks become cacheable now.
             let full = computed / bs;
             kv::extend_hashes(&mut s.hashes, s.root, &s.tokens[..full * bs], bs);
-            for j in hit..full {
-                cache.register(s.blocks[j], s.hashes[j]);
+            if full > hit {
+                cache.register_run(&s.blocks, &s.hashes, &s.tokens, bs, hit, full);
             }
             s.registered = full;
             s.computed = computed;
@@ -369,6 +404,7 @@ impl EngineState {
         }
         self.metrics.preemptions += preempted as u64;
         self.metrics.evicted_blocks = self.cache.evictions;
+        self.flush_events();
 
         let mut pass = Pass {
             prefill_tokens: 0,
@@ -446,6 +482,7 @@ impl EngineState {
             }
             true
         });
+        self.flush_events();
     }
 
     pub fn has_work(&self) -> bool {

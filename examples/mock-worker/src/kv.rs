@@ -10,6 +10,8 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::kv_events::KvEvent;
+
 pub type BlockId = u32;
 const NONE: u32 = u32::MAX;
 const HASH_SEED: u64 = 1337;
@@ -71,6 +73,8 @@ pub struct KvCache {
     tail: u32,
     free_len: usize,
     pub evictions: u64,
+    /// vLLM's KV cache events since the last `take_events`; `None` when nobody listens.
+    events: Option<Vec<KvEvent>>,
 }
 
 impl KvCache {
@@ -92,6 +96,7 @@ impl KvCache {
             tail: NONE,
             free_len: 0,
             evictions: 0,
+            events: None,
         };
         for b in 0..capacity as u32 {
             c.push_back(b);
@@ -112,6 +117,28 @@ impl KvCache {
     }
     pub fn cached_blocks(&self) -> usize {
         self.map.len()
+    }
+
+    /// Starts recording KV cache events (for `--kv-events`).
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events recorded since the last call (empty when not recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// vLLM's `reset_prefix_cache`: forgets every cached prefix (blocks held by running
+    /// requests keep their content but are no longer shared) and records AllBlocksCleared.
+    pub fn reset_prefix_cache(&mut self) {
+        self.map.clear();
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        if let Some(ev) = &mut self.events {
+            ev.push(KvEvent::AllBlocksCleared);
+        }
     }
 
     fn push_back(&mut self, b: BlockId) {
@@ -206,6 +233,11 @@ impl KvCache {
                 // Another block may have taken over the hash since; only drop our own entry.
                 if self.map.get(&h) == Some(&b) {
                     self.map.remove(&h);
+                    if let Some(ev) = &mut self.events {
+                        ev.push(KvEvent::BlockRemoved {
+                            block_hashes: vec![h],
+                        });
+                    }
                 }
                 self.evictions += 1;
             }
@@ -218,14 +250,61 @@ impl KvCache {
     /// Marks a held, now full and computed block as holding the prefix `hash`. If an equal
     /// block is already cached the first one stays canonical (as in vLLM; duplicates are
     /// simply not shared).
-    pub fn register(&mut self, b: BlockId, hash: u64) {
+    /// Returns whether the block became the cached copy of `hash`.
+    pub fn register(&mut self, b: BlockId, hash: u64) -> bool {
         let blk = &mut self.blocks[b as usize];
         if blk.hash.is_some() {
-            return;
+            return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.map.entry(hash) {
             e.insert(b);
             blk.hash = Some(hash);
+            return true;
+        }
+        false
+    }
+
+    /// Registers blocks `from..to` of one request (`blocks`, `hashes` and `tokens` are the
+    /// request's, from its first block) and records what entered the cache as BlockStored
+    /// events: one per run of newly cached blocks, its parent the hash of the block before
+    /// the run (`None` for a run starting at the first block), with the run's tokens.
+    pub fn register_run(
+        &mut self,
+        blocks: &[BlockId],
+        hashes: &[u64],
+        tokens: &[u32],
+        block_size: usize,
+        from: usize,
+        to: usize,
+    ) {
+        let mut run: Option<usize> = None;
+        for j in from..to {
+            let stored = self.register(blocks[j], hashes[j]);
+            if self.events.is_none() {
+                continue;
+            }
+            match (stored, run) {
+                (true, None) => run = Some(j),
+                (false, Some(start)) => {
+                    self.stored(hashes, tokens, block_size, start, j);
+                    run = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(start) = run {
+            self.stored(hashes, tokens, block_size, start, to);
+        }
+    }
+
+    fn stored(&mut self, hashes: &[u64], tokens: &[u32], bs: usize, from: usize, to: usize) {
+        if let Some(ev) = &mut self.events {
+            ev.push(KvEvent::BlockStored {
+                block_hashes: hashes[from..to].to_vec(),
+                parent_block_hash: from.checked_sub(1).map(|p| hashes[p]),
+                token_ids: tokens[from * bs..to * bs].to_vec(),
+                block_size: bs,
+            });
         }
     }
 

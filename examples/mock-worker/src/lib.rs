@@ -4,6 +4,7 @@ pub mod api;
 pub mod config;
 pub mod engine;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod orca;
 pub mod server;

@@ -42,6 +42,8 @@ pub struct Metrics {
     /// Cached blocks evicted to make room (not a vLLM metric; the benchmark reports it).
     pub evicted_blocks: u64,
     pub ttft: Histogram,
+    /// `--kv-events` batches dropped because the publisher's queue was full.
+    pub kv_event_batches_dropped: u64,
     pub passes: u64,
     pub simulated_seconds: f64,
     pub lag_seconds: f64,
@@ -155,6 +157,12 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
             "",
         ),
         (
+            "mock:kv_event_batches_dropped_total",
+            "KV cache event batches dropped (publisher queue full) instead of slowing the engine.",
+            m.kv_event_batches_dropped,
+            "",
+        ),
+        (
             "mock:engine_passes_total",
             "Scheduler passes run.",
             m.passes,
@@ -254,6 +262,7 @@ mod tests {
             "vllm:cache_config_info{block_size=\"16\",enable_prefix_caching=\"True\",engine=\"0\",model_name=\"m\",num_gpu_blocks=\"16384\"} 1",
             "vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 0",
             "mock:kv_evicted_blocks_total{engine=\"0\",model_name=\"m\"} 5",
+            "mock:kv_event_batches_dropped_total{engine=\"0\",model_name=\"m\"} 0",
             "mock:tokenize_requests_total{engine=\"0\",model_name=\"m\",route=\"/tokenize\"} 4",
             "mock:tokenize_requests_total{engine=\"0\",model_name=\"m\",route=\"/v1/chat/completions/render\"} 1",
             "vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.04\"} 1",

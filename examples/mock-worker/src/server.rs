@@ -24,6 +24,7 @@ use crate::api::{self, ApiError, Kind, Parsed};
 use crate::config::{Config, Role};
 use crate::engine::{self, Arrival, Event, NewRequest, Shared, Timing, Usage};
 use crate::kv;
+use crate::kv_events;
 use crate::metrics;
 use crate::orca;
 
@@ -65,6 +66,8 @@ pub struct Handle {
     pub addr: SocketAddr,
     pub name: String,
     pub shared: Arc<Shared>,
+    /// Where the KV cache events are published (`--kv-events`), as bound.
+    pub kv_events: Option<kv_events::Endpoints>,
 }
 
 /// Binds, spawns the engine loop and the accept loop on the current runtime, and returns.
@@ -83,6 +86,25 @@ pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
     let addr = listener.local_addr()?;
     let name = cfg.worker_name(addr.port());
     let shared = Shared::new(cfg, name.clone());
+    let kv_events = match &shared.cfg.kv_events {
+        Some(endpoint) => {
+            let cfg = &shared.cfg;
+            let (tx, rx) = mpsc::channel(kv_events::QUEUE);
+            let settings = kv_events::Settings {
+                endpoint: endpoint.clone(),
+                replay: cfg.kv_events_replay.clone(),
+                topic: cfg.kv_events_topic.clone(),
+                buffer: cfg.kv_events_buffer,
+                format: cfg.kv_events_format,
+            };
+            let bound = kv_events::start(settings, rx)
+                .await
+                .map_err(std::io::Error::other)?;
+            shared.state.lock().unwrap().publish_events(tx);
+            Some(bound)
+        }
+        None => None,
+    };
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     let client = Client::builder(TokioExecutor::new()).build(http);
@@ -107,7 +129,12 @@ pub async fn start(mut cfg: Config) -> std::io::Result<Handle> {
             rt.block_on(engine::run(engine_shared));
         })?;
     tokio::spawn(accept_loop(listener, ctx));
-    Ok(Handle { addr, name, shared })
+    Ok(Handle {
+        addr,
+        name,
+        shared,
+        kv_events,
+    })
 }
 
 async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>) {
@@ -222,6 +249,10 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
         (Method::POST, "/v1/chat/completions") => inference(req, ctx.clone(), Kind::Chat).await,
         (Method::POST, "/v1/cache/probe") => probe(req, &ctx).await,
         (Method::POST, "/tokenize") => tokenize(req, &ctx).await,
+        (Method::POST, "/reset_prefix_cache") => {
+            ctx.shared.state.lock().unwrap().reset_prefix_cache();
+            respond(StatusCode::OK, "text/plain", "", name)
+        }
         (Method::POST, "/v1/completions/render") => render(req, &ctx, Kind::Completion).await,
         (Method::POST, "/v1/chat/completions/render") => render(req, &ctx, Kind::Chat).await,
         (
@@ -233,6 +264,7 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
             | "/v1/chat/completions"
             | "/v1/cache/probe"
             | "/tokenize"
+            | "/reset_prefix_cache"
             | "/v1/completions/render"
             | "/v1/chat/completions/render",
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed", name),
