@@ -1,0 +1,236 @@
+//! Command line of the `kvroute-relay` binary.
+
+use crate::hub::EngineSpec;
+
+pub const USAGE: &str = "\
+kvroute-relay: subscribes to inference engines' KV cache events (vLLM's ZMQ format) and serves
+them, re-keyed to kvroute's block hashes, as a gRPC stream (kvroute.relay.v1.Relay/Watch).
+
+USAGE:
+  kvroute-relay --engine NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=MODEL]... [OPTIONS]
+
+ENGINES (at least one --engine or --engines-dns):
+  --engine SPEC          An engine's KV event publisher (vLLM --kv-events-config endpoint).
+                         NAME is the worker's name in the filter's `workers[].name`;
+                         replay= its replay (ROUTER) endpoint, used to repair gaps;
+                         model= the model name requests use (default: --model). Repeatable.
+  --engines-dns HOST:PORT[,replay_port=PORT]
+                         Resolve HOST every 10 s; every address becomes an engine named IP:PORT
+                         publishing on tcp://IP:PORT (replay on tcp://IP:replay_port).
+OPTIONS:
+  --model NAME           Model name the engines serve (the `model` of requests); the chain
+                         seed of every re-keyed block. Required unless every engine has model=.
+  --block-size N         Tokens per block; must equal the engines' and the filter's (default 16).
+  --listen ADDR          gRPC listen address (default 127.0.0.1:7000).
+  --metrics ADDR         HTTP address for GET /metrics and GET /health (default 127.0.0.1:7001).
+  -h, --help             This help.
+";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dns {
+    pub host: String,
+    pub port: u16,
+    pub replay_port: Option<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub engines: Vec<EngineSpec>,
+    pub dns: Option<Dns>,
+    pub model: String,
+    pub block_size: u32,
+    pub listen: String,
+    pub metrics: String,
+}
+
+/// `Ok(None)` means --help.
+pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, String> {
+    let mut raw_engines = Vec::new();
+    let mut dns = None;
+    let mut model = None;
+    let mut block_size = 16u32;
+    let mut listen = "127.0.0.1:7000".to_owned();
+    let mut metrics = "127.0.0.1:7001".to_owned();
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
+            _ => (arg.clone(), None),
+        };
+        if flag == "-h" || flag == "--help" {
+            return Ok(None);
+        }
+        let mut value = || -> Result<String, String> {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{flag} needs a value (see --help)"))
+        };
+        match flag.as_str() {
+            "--engine" => raw_engines.push(value()?),
+            "--engines-dns" => dns = Some(parse_dns(&value()?)?),
+            "--model" => model = Some(value()?),
+            "--block-size" => {
+                let v = value()?;
+                block_size =
+                    v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        format!("--block-size {v:?}: expected a positive integer")
+                    })?;
+            }
+            "--listen" => listen = check_addr("--listen", &value()?)?,
+            "--metrics" => metrics = check_addr("--metrics", &value()?)?,
+            _ => return Err(format!("unknown argument {arg:?} (see --help)")),
+        }
+    }
+    let mut engines = Vec::new();
+    for e in &raw_engines {
+        let spec = parse_engine(e, model.as_deref())?;
+        if engines.iter().any(|x: &EngineSpec| x.name == spec.name) {
+            return Err(format!(
+                "--engine {e:?}: the name {:?} is used twice",
+                spec.name
+            ));
+        }
+        engines.push(spec);
+    }
+    if engines.is_empty() && dns.is_none() {
+        return Err("no engines: give --engine NAME=tcp://HOST:PORT or --engines-dns HOST:PORT (see --help)".to_owned());
+    }
+    let model = match model {
+        Some(m) => m,
+        None if dns.is_none() => String::new(),
+        None => return Err("--engines-dns needs --model (the model name requests use)".to_owned()),
+    };
+    Ok(Some(Config {
+        engines,
+        dns,
+        model,
+        block_size,
+        listen,
+        metrics,
+    }))
+}
+
+fn check_addr(flag: &str, v: &str) -> Result<String, String> {
+    v.parse::<std::net::SocketAddr>()
+        .map(|_| v.to_owned())
+        .map_err(|_| format!("{flag} {v:?}: expected IP:PORT, e.g. 127.0.0.1:7000"))
+}
+
+fn check_endpoint(what: &str, ep: &str) -> Result<(), String> {
+    let rest = ep
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{what} {ep:?}: expected tcp://HOST:PORT"))?;
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(format!("{what} {ep:?}: expected tcp://HOST:PORT")),
+    }
+}
+
+pub fn parse_engine(s: &str, default_model: Option<&str>) -> Result<EngineSpec, String> {
+    let what = format!("--engine {s:?}");
+    let (name, rest) = s
+        .split_once('=')
+        .filter(|(n, _)| !n.is_empty())
+        .ok_or_else(|| format!("{what}: expected NAME=tcp://HOST:PORT[,replay=...][,model=...]"))?;
+    let mut parts = rest.split(',');
+    let endpoint = parts.next().unwrap_or_default().to_owned();
+    check_endpoint(&what, &endpoint)?;
+    let mut replay = None;
+    let mut model = default_model.map(str::to_owned);
+    for p in parts {
+        match p.split_once('=') {
+            Some(("replay", v)) => {
+                check_endpoint(&what, v)?;
+                replay = Some(v.to_owned());
+            }
+            Some(("model", v)) if !v.is_empty() => model = Some(v.to_owned()),
+            _ => {
+                return Err(format!(
+                    "{what}: unknown option {p:?} (replay=tcp://HOST:PORT or model=NAME)"
+                ))
+            }
+        }
+    }
+    let model = model.ok_or_else(|| format!("{what}: no model (give --model or model=NAME)"))?;
+    Ok(EngineSpec {
+        name: name.to_owned(),
+        endpoint,
+        replay,
+        model,
+    })
+}
+
+fn parse_dns(s: &str) -> Result<Dns, String> {
+    let what = format!("--engines-dns {s:?}");
+    let mut parts = s.split(',');
+    let hp = parts.next().unwrap_or_default();
+    let (host, port) = hp
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+        .filter(|(h, _)| !h.is_empty())
+        .ok_or_else(|| format!("{what}: expected HOST:PORT"))?;
+    let mut replay_port = None;
+    for p in parts {
+        match p.split_once('=') {
+            Some(("replay_port", v)) => {
+                replay_port = Some(
+                    v.parse()
+                        .map_err(|_| format!("{what}: bad replay_port {v:?}"))?,
+                )
+            }
+            _ => return Err(format!("{what}: unknown option {p:?} (replay_port=PORT)")),
+        }
+    }
+    Ok(Dns {
+        host: host.to_owned(),
+        port,
+        replay_port,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn parses_engines_and_defaults() {
+        let c = parse(args("--model m --engine w1=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657 --engine=w2=tcp://h:1,model=x --block-size 32"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.engines.len(), 2);
+        assert_eq!(c.engines[0].replay.as_deref(), Some("tcp://127.0.0.1:5657"));
+        assert_eq!(c.engines[0].model, "m");
+        assert_eq!(c.engines[1].model, "x");
+        assert_eq!(c.block_size, 32);
+        assert_eq!(c.listen, "127.0.0.1:7000");
+        assert_eq!(c.metrics, "127.0.0.1:7001");
+    }
+
+    #[test]
+    fn rejects_bad_flags() {
+        for bad in [
+            "",
+            "--engine w=tcp://h:1",
+            "--model m --engine w=http://h:1",
+            "--model m --engine w=tcp://h:1,bogus=1",
+            "--model m --engine w=tcp://h:1 --engine w=tcp://h:2",
+            "--model m --engine w=tcp://h:1 --block-size 0",
+            "--model m --engine w=tcp://h:1 --listen nope",
+            "--model m --engine w=tcp://h:1 --frob",
+            "--model m --engine",
+            "--engines-dns h:1",
+        ] {
+            assert!(parse(args(bad)).is_err(), "{bad}");
+        }
+        assert_eq!(parse(args("--help")), Ok(None));
+        let c = parse(args("--model m --engines-dns pool:5557,replay_port=5558"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.dns.unwrap().replay_port, Some(5558));
+    }
+}

@@ -1,0 +1,291 @@
+//! Per-engine index: engine block hash -> kvroute block hash, and the re-keying of stored
+//! blocks (`kvroute::hashing::token_block_hash` chained over the engine's parent links).
+
+use crate::decode::{Event, Stored};
+use hashbrown::{HashMap, HashTable};
+use kvroute::hashing::{chain_seed, token_block_hash};
+
+/// One indexed block, 20 bytes (u32 words keep the alignment at 4, so no padding).
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    engine: [u32; 2],
+    kvroute: [u32; 2],
+    /// Blocks before this one in its chain: the snapshot lists parents before children by
+    /// sorting on it.
+    depth: u32,
+}
+
+fn split(v: u64) -> [u32; 2] {
+    [v as u32, (v >> 32) as u32]
+}
+
+fn join(v: [u32; 2]) -> u64 {
+    u64::from(v[0]) | (u64::from(v[1]) << 32)
+}
+
+fn mix(k: u64) -> u64 {
+    let x = (k ^ (k >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^ (x >> 29)
+}
+
+/// Engine hash -> (kvroute hash, depth) for every block an engine holds.
+#[derive(Default)]
+pub struct BlockTable {
+    table: HashTable<Entry>,
+}
+
+impl BlockTable {
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Heap bytes held by the table.
+    pub fn bytes(&self) -> usize {
+        self.table.allocation_size()
+    }
+
+    pub fn get(&self, engine: u64) -> Option<(u64, u32)> {
+        let e = split(engine);
+        self.table
+            .find(mix(engine), |x| x.engine == e)
+            .map(|x| (join(x.kvroute), x.depth))
+    }
+
+    pub fn insert(&mut self, engine: u64, kvroute: u64, depth: u32) {
+        let e = split(engine);
+        let entry = Entry {
+            engine: e,
+            kvroute: split(kvroute),
+            depth,
+        };
+        match self
+            .table
+            .entry(mix(engine), |x| x.engine == e, |x| mix(join(x.engine)))
+        {
+            hashbrown::hash_table::Entry::Occupied(mut o) => *o.get_mut() = entry,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(entry);
+            }
+        }
+    }
+
+    pub fn remove(&mut self, engine: u64) -> Option<u64> {
+        let e = split(engine);
+        match self.table.find_entry(mix(engine), |x| x.engine == e) {
+            Ok(o) => Some(join(o.remove().0.kvroute)),
+            Err(_) => None,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.table = HashTable::new();
+    }
+
+    /// Every held kvroute hash, parents before children.
+    pub fn snapshot(&self) -> Vec<u64> {
+        let mut v: Vec<(u32, u64)> = self
+            .table
+            .iter()
+            .map(|x| (x.depth, join(x.kvroute)))
+            .collect();
+        v.sort_unstable_by_key(|x| x.0);
+        v.into_iter().map(|x| x.1).collect()
+    }
+}
+
+/// Net effect of a run of events on one worker: `cleared` applies first, and `stored` and
+/// `removed` are disjoint so their order of application does not matter.
+#[derive(Default, Debug, Clone, PartialEq)]
+pub struct DeltaBuilder {
+    pub cleared: bool,
+    pub stale: bool,
+    stored: Vec<u64>,
+    removed: Vec<u64>,
+    /// Last operation per hash: true = stored.
+    last: HashMap<u64, bool>,
+}
+
+impl DeltaBuilder {
+    pub fn clear(&mut self) {
+        self.cleared = true;
+        self.stored.clear();
+        self.removed.clear();
+        self.last.clear();
+    }
+
+    pub fn store(&mut self, h: u64) {
+        self.stored.push(h);
+        self.last.insert(h, true);
+    }
+
+    pub fn remove(&mut self, h: u64) {
+        self.removed.push(h);
+        self.last.insert(h, false);
+    }
+
+    /// Hashes listed so far (an upper bound on the final count).
+    pub fn hashes(&self) -> usize {
+        self.stored.len() + self.removed.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        !self.cleared && !self.stale && self.stored.is_empty() && self.removed.is_empty()
+    }
+
+    /// Merges a later delta into this one.
+    pub fn merge(&mut self, later: &Delta) {
+        if later.cleared {
+            self.clear();
+        }
+        self.stale = later.stale;
+        for &h in &later.stored {
+            self.store(h);
+        }
+        for &h in &later.removed {
+            self.remove(h);
+        }
+    }
+
+    pub fn finish(self) -> Delta {
+        let last = self.last;
+        let mut seen = hashbrown::HashSet::with_capacity(self.stored.len() + self.removed.len());
+        let mut keep = |h: &u64, want: bool| last.get(h) == Some(&want) && seen.insert(*h);
+        let stored = self.stored.into_iter().filter(|h| keep(h, true)).collect();
+        let removed = self
+            .removed
+            .into_iter()
+            .filter(|h| keep(h, false))
+            .collect();
+        Delta {
+            cleared: self.cleared,
+            stale: self.stale,
+            stored,
+            removed,
+        }
+    }
+}
+
+/// A finished per-worker delta.
+#[derive(Default, Debug, Clone, PartialEq)]
+pub struct Delta {
+    pub cleared: bool,
+    pub stale: bool,
+    pub stored: Vec<u64>,
+    pub removed: Vec<u64>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        !self.cleared && !self.stale && self.stored.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// What applying events counted.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    /// Stored blocks whose parent this index does not hold (not re-keyed).
+    pub orphans: u64,
+    /// Stored blocks with an engine block size other than ours (not re-keyed).
+    pub size_mismatch: u64,
+    /// Stored events whose token count does not match their blocks.
+    pub bad_events: u64,
+}
+
+/// One engine's re-keying state.
+pub struct EngineIndex {
+    pub blocks: BlockTable,
+    block_size: u32,
+    model_seed: u64,
+    lora_seeds: HashMap<String, u64>,
+}
+
+impl EngineIndex {
+    pub fn new(model: &str, block_size: u32) -> Self {
+        EngineIndex {
+            blocks: BlockTable::default(),
+            block_size,
+            model_seed: chain_seed(model, None),
+            lora_seeds: HashMap::new(),
+        }
+    }
+
+    fn seed(&mut self, lora: Option<&str>) -> u64 {
+        match lora {
+            None => self.model_seed,
+            Some(name) => {
+                if let Some(s) = self.lora_seeds.get(name) {
+                    return *s;
+                }
+                let s = chain_seed(name, None);
+                if self.lora_seeds.len() < 4096 {
+                    self.lora_seeds.insert(name.to_owned(), s);
+                }
+                s
+            }
+        }
+    }
+
+    /// Drops everything (AllBlocksCleared, restart, unrepaired gap).
+    pub fn clear(&mut self, out: &mut DeltaBuilder) {
+        self.blocks.clear();
+        out.clear();
+    }
+
+    pub fn apply(&mut self, ev: &Event<'_>, out: &mut DeltaBuilder, c: &mut Counts) {
+        match ev {
+            Event::Cleared => self.clear(out),
+            Event::Removed(hashes) => {
+                for h in hashes {
+                    if let Some(kv) = self.blocks.remove(*h) {
+                        out.remove(kv);
+                        c.blocks_removed += 1;
+                    }
+                }
+            }
+            Event::Stored(s) => self.store(s, out, c),
+        }
+    }
+
+    fn store(&mut self, s: &Stored<'_>, out: &mut DeltaBuilder, c: &mut Counts) {
+        let n = s.block_hashes.len() as u64;
+        let bs = self.block_size as usize;
+        let engine_bs = match s.block_size {
+            Some(b) => b as usize,
+            None if !s.block_hashes.is_empty() => s.token_ids.len() / s.block_hashes.len(),
+            None => bs,
+        };
+        if engine_bs != bs {
+            c.size_mismatch += n;
+            return;
+        }
+        if s.token_ids.len() != s.block_hashes.len().saturating_mul(bs) {
+            c.bad_events += 1;
+            return;
+        }
+        let (mut parent, mut depth) = match s.parent {
+            None => (None, 0u32),
+            Some(p) => match self.blocks.get(p) {
+                Some((kv, d)) => (Some(kv), d.saturating_add(1)),
+                None => {
+                    c.orphans += n;
+                    return;
+                }
+            },
+        };
+        let seed = self.seed(s.lora_name);
+        for (h, tokens) in s.block_hashes.iter().zip(s.token_ids.chunks_exact(bs)) {
+            let kv = token_block_hash(parent, tokens, seed);
+            self.blocks.insert(*h, kv, depth);
+            out.store(kv);
+            c.blocks_stored += 1;
+            parent = Some(kv);
+            depth = depth.saturating_add(1);
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! kvroute-relay: subscribes to inference engines' KV cache events (vLLM's ZMQ format) and
+//! serves them, re-keyed to kvroute's block hashes, as one gRPC stream per Envoy.
+
+pub mod cli;
+pub mod decode;
+pub mod engine;
+pub mod grpc;
+pub mod hub;
+pub mod index;
+pub mod metrics;
+pub mod msgpack;

@@ -1,0 +1,97 @@
+use kvroute_relay::cli::{parse, Config, Dns, USAGE};
+use kvroute_relay::engine::{self, EngineOpts};
+use kvroute_relay::hub::{EngineSpec, Hub};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn main() {
+    let cfg = match parse(std::env::args().skip(1)) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            print!("{USAGE}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("kvroute-relay: {e}");
+            std::process::exit(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvroute-relay: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run(cfg)) {
+        eprintln!("kvroute-relay: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cfg: Config) -> Result<(), String> {
+    let hub = Hub::new(cfg.block_size, 1024);
+    let grpc = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
+    let http = tokio::net::TcpListener::bind(&cfg.metrics)
+        .await
+        .map_err(|e| format!("--metrics {}: {e}", cfg.metrics))?;
+    eprintln!(
+        "kvroute-relay: gRPC on {}, metrics on http://{}/metrics, block size {}, epoch {:016x}",
+        cfg.listen, cfg.metrics, cfg.block_size, hub.epoch
+    );
+    for spec in cfg.engines.clone() {
+        tokio::spawn(engine::run(hub.clone(), spec, EngineOpts::default()));
+    }
+    if let Some(dns) = cfg.dns.clone() {
+        tokio::spawn(discover(hub.clone(), dns, cfg.model.clone()));
+    }
+    tokio::spawn(kvroute_relay::metrics::serve(hub.clone(), http));
+    kvroute_relay::grpc::serve(hub, grpc).await
+}
+
+/// Resolves `--engines-dns` every 10 s; each new address becomes an engine.
+async fn discover(hub: Arc<Hub>, dns: Dns, model: String) {
+    let mut known = HashSet::new();
+    let mut logged_error = false;
+    loop {
+        match tokio::net::lookup_host((dns.host.as_str(), dns.port)).await {
+            Ok(addrs) => {
+                logged_error = false;
+                for a in addrs {
+                    if known.insert(a) {
+                        let ip = a.ip();
+                        let host = if ip.is_ipv6() {
+                            format!("[{ip}]")
+                        } else {
+                            ip.to_string()
+                        };
+                        let spec = EngineSpec {
+                            name: format!("{host}:{}", a.port()),
+                            endpoint: format!("tcp://{host}:{}", a.port()),
+                            replay: dns.replay_port.map(|p| format!("tcp://{host}:{p}")),
+                            model: model.clone(),
+                        };
+                        eprintln!(
+                            "kvroute-relay: discovered engine {} via {}",
+                            spec.name, dns.host
+                        );
+                        tokio::spawn(engine::run(hub.clone(), spec, EngineOpts::default()));
+                    }
+                }
+            }
+            Err(e) => {
+                if !logged_error {
+                    eprintln!("kvroute-relay: --engines-dns {}: {e}", dns.host);
+                    logged_error = true;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+}
