@@ -383,9 +383,14 @@ impl Config {
         if self.kv_events.is_none() && self.kv_events_replay.is_some() {
             return Err("--kv-events-replay needs --kv-events".into());
         }
-        for ep in [&self.kv_events, &self.kv_events_replay].into_iter().flatten() {
+        for ep in [&self.kv_events, &self.kv_events_replay]
+            .into_iter()
+            .flatten()
+        {
             if !ep.starts_with("tcp://") {
-                return Err(format!("KV events endpoint {ep:?}: expected tcp://HOST:PORT"));
+                return Err(format!(
+                    "KV events endpoint {ep:?}: expected tcp://HOST:PORT"
+                ));
             }
         }
         if !(self.speedup > 0.0 && self.speedup.is_finite()) {
@@ -463,7 +468,14 @@ mod tests {
         assert_eq!((c.kv_events_topic.as_str(), c.kv_events_buffer), ("kv", 5));
         assert_eq!(c.kv_events_format, crate::kv_events::Format::Map);
         let d = parse("").unwrap().unwrap();
-        assert_eq!((d.kv_events.is_none(), d.kv_events_topic.as_str(), d.kv_events_buffer), (true, "", 10_000));
+        assert_eq!(
+            (
+                d.kv_events.is_none(),
+                d.kv_events_topic.as_str(),
+                d.kv_events_buffer
+            ),
+            (true, "", 10_000)
+        );
         assert!(parse("--kv-events-replay tcp://127.0.0.1:1").is_err());
         assert!(parse("--kv-events 127.0.0.1:1").is_err());
         assert!(parse("--kv-events-format json").is_err());

@@ -918,6 +918,44 @@ mod tests {
     }
 
     #[test]
+    fn kv_events_never_block_the_engine_and_drops_are_counted() {
+        let mut st = EngineState::new(&cfg(100, 1000, 8));
+        // Room for one batch: the start-up AllBlocksCleared fills it.
+        let (tx, mut rx) = mpsc::channel(1);
+        st.publish_events(tx);
+        let _a = st.submit(req(1, 20, 2), Instant::now());
+        drain(&mut st);
+        assert!(st.metrics.kv_event_batches_dropped >= 1);
+        let first = rx.try_recv().unwrap();
+        assert_eq!(first.events, vec![KvEvent::AllBlocksCleared]);
+        assert!(rx.try_recv().is_err());
+        // With room, a step's stored blocks arrive as one batch with the prompt's tokens.
+        let (tx, mut rx) = mpsc::channel(64);
+        let mut st = EngineState::new(&cfg(100, 1000, 8));
+        st.publish_events(tx);
+        let r = req(2, 10, 1);
+        let prompt = r.tokens.clone();
+        let _b = st.submit(r, Instant::now());
+        st.schedule();
+        rx.try_recv().unwrap(); // AllBlocksCleared
+        let batch = rx.try_recv().unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        match &batch.events[..] {
+            [KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash: None,
+                token_ids,
+                block_size: 4,
+            }] => {
+                assert_eq!(block_hashes.len(), 2);
+                assert_eq!(token_ids[..], prompt[..8]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(st.metrics.kv_event_batches_dropped, 0);
+    }
+
+    #[test]
     fn max_num_seqs_limits_admission() {
         let mut st = EngineState::new(&cfg(1000, 1000, 2));
         let _rx: Vec<_> = (0..5)

@@ -438,6 +438,57 @@ mod tests {
     }
 
     #[test]
+    fn events_record_stored_runs_and_evictions() {
+        let mut c = KvCache::new(4);
+        c.enable_events();
+        let toks: Vec<u32> = (0..12).collect();
+        let mut h = vec![];
+        extend_hashes(&mut h, 0, &toks, 4);
+        // Another request already cached block 1: runs split around it.
+        let mut other = vec![];
+        assert!(c.allocate(1, &mut other));
+        c.register(other[0], h[1]);
+        let mut blocks = vec![];
+        assert!(c.allocate(3, &mut blocks));
+        c.register_run(&blocks, &h, &toks, 4, 0, 3);
+        let stored = |hashes: &[u64], parent, tokens: &[u32]| KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens.to_vec(),
+            block_size: 4,
+        };
+        assert_eq!(
+            c.take_events(),
+            vec![
+                stored(&h[..1], None, &toks[..4]),
+                stored(&h[2..3], Some(h[1]), &toks[8..12]),
+            ]
+        );
+        assert!(c.take_events().is_empty());
+        c.release(&mut blocks);
+        // The unregistered duplicate goes first (no event), then the leaf of the chain.
+        let mut out = vec![];
+        assert!(c.allocate(2, &mut out));
+        assert_eq!(
+            c.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![h[2]]
+            }],
+            "the leaf went first"
+        );
+        c.reset_prefix_cache();
+        assert_eq!(c.cached_blocks(), 0);
+        assert_eq!(c.lookup(&h), 0);
+        assert_eq!(c.take_events(), vec![KvEvent::AllBlocksCleared]);
+        // Not recording: nothing accumulates.
+        let mut quiet = KvCache::new(2);
+        let mut b = vec![];
+        assert!(quiet.allocate(1, &mut b));
+        quiet.register_run(&b, &h, &toks, 4, 0, 1);
+        assert!(quiet.take_events().is_empty());
+    }
+
+    #[test]
     fn unhashed_blocks_are_reused_before_cached_ones() {
         let mut c = KvCache::new(3);
         let a = chain(1, 1);

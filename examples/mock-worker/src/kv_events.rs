@@ -13,24 +13,33 @@
 //! - One batch per scheduler step holding all that step's events; `ts` is `time.time()`.
 //!
 //! Payload encodings across vLLM versions (all msgspec `omit_defaults=True`, `tag=True`: the
-//! tag is the class name):
+//! tag is the class name). msgspec omits defaulted fields only from maps: an `array_like`
+//! struct writes every field, a defaulted one as nil (checked with msgspec 0.22).
 //! - v0.9 (first version): everything `array_like`. `KVEventBatch = [ts, events]`;
 //!   `BlockStored = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 //!   lora_id]`; `BlockRemoved = ["BlockRemoved", block_hashes]`; `AllBlocksCleared =
 //!   ["AllBlocksCleared"]`.
 //! - Later: `medium` (e.g. "GPU") appended to BlockStored and BlockRemoved; the batch got a
-//!   third field `data_parallel_rank` (default None, so omitted when None, but the publisher
-//!   fills in its DP rank, so a real server sends `[ts, events, 0]`); then `lora_name` after
-//!   `medium` in BlockStored. Fields added later still (`extra_keys`, `group_idx`,
-//!   `kv_cache_spec_*`, BlockRemoved's `group_idx`) have defaults and are omitted when unset.
-//! - vLLM PR #42892 (June 2026) dropped `array_like` from the events: each event is a map
-//!   with the tag under `"type"` and named fields (default-valued ones omitted), inside the
-//!   still positional batch. The newest source also drops `array_like` from the batch
-//!   (a map `{"ts", "events", "data_parallel_rank"}`).
+//!   third field `data_parallel_rank` (default None, but the publisher fills in its DP rank,
+//!   so a real server sends `[ts, events, 0]`); then `lora_name` after `medium` in
+//!   BlockStored: `[tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name]`,
+//!   what the mock writes by default.
+//! - 2026 (still positional): `extra_keys` (PR #33304), `group_idx`, `kv_cache_spec_kind`,
+//!   `kv_cache_spec_sliding_window` appended to BlockStored and `group_idx` to BlockRemoved,
+//!   all defaulted, so written as trailing nils when unset.
+//! - vLLM PR #42892 (June 2026, e.g. v0.26) dropped `array_like` from the events: each event
+//!   is a map with the tag under `"type"` and named fields (defaulted ones omitted when unset),
+//!   inside the still positional batch; the mock's `--kv-events-format map`. The newest
+//!   source read also drops `array_like` from the batch (a map `{ts, events,
+//!   data_parallel_rank}`); the mock does not write that form.
 //!
-//! The mock writes the positional form with `medium` and `lora_name` by default, or the
-//! PR #42892 map-event form with `--kv-events-format map`; block hashes are msgpack uints
-//! (vLLM's `ExternalBlockHash` is `int | bytes`). Decoders should accept both.
+//! Block hashes are msgpack uints (vLLM's `ExternalBlockHash` is `int | bytes`; sha256
+//! hashing sends bytes). Decoders should accept every form above; tests/fixtures holds
+//! msgspec's bytes for each.
+//!
+//! Sources read: vllm-project/vllm `vllm/distributed/kv_events.py` at b4e69e0a (v0.9 era) and
+//! 0181ea31 (2026 main), `vllm/config/kv_events.py` at 00634b8a,
+//! `examples/online_serving/kv_events_subscriber.py` at 0ef0f426.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

@@ -203,9 +203,11 @@ async fn until(
 async fn replay(endpoint: &str, start: u64) -> Vec<(i64, Bytes)> {
     let mut dealer = zeromq::DealerSocket::new();
     dealer.connect(endpoint).await.unwrap();
-    let req =
-        ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())])
-            .unwrap();
+    let req = ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&start.to_be_bytes()),
+    ])
+    .unwrap();
     dealer.send(req).await.unwrap();
     let mut out = vec![];
     loop {
@@ -271,7 +273,13 @@ async fn events_follow_the_cache_and_replay_serves_the_buffer() {
     }
     // The first event starts the chain at the prompt's first block.
     assert_eq!(stored[0].1, None);
-    assert_eq!(stored[0].2[..8], prompt[..8].iter().map(|&t| u64::from(t)).collect::<Vec<_>>());
+    assert_eq!(
+        stored[0].2[..8],
+        prompt[..8]
+            .iter()
+            .map(|&t| u64::from(t))
+            .collect::<Vec<_>>()
+    );
     // Each later event's parent is the last hash stored before it; hashes are the mock's.
     let all_tokens: Vec<u32> = stored
         .iter()
@@ -284,8 +292,16 @@ async fn events_follow_the_cache_and_replay_serves_the_buffer() {
     let all_hashes: Vec<u64> = stored.iter().flat_map(|s| s.0.clone()).collect();
     assert_eq!(all_hashes, expect);
     for w in stored.windows(2) {
-        assert_eq!(w[1].1, w[0].0.last().copied(), "parent chains to the previous event");
-        assert_eq!(w[1].2.len(), 4 * w[1].0.len(), "token_ids cover the stored blocks");
+        assert_eq!(
+            w[1].1,
+            w[0].0.last().copied(),
+            "parent chains to the previous event"
+        );
+        assert_eq!(
+            w[1].2.len(),
+            4 * w[1].0.len(),
+            "token_ids cover the stored blocks"
+        );
     }
 
     // Eviction pressure: 12 blocks, so distinct 16-token prompts soon evict the first chain
@@ -305,14 +321,22 @@ async fn events_follow_the_cache_and_replay_serves_the_buffer() {
             e.1[0].ints()
         })
         .collect();
-    assert_eq!(removed[0], expect[3], "the leaf of the oldest chain goes first");
+    assert_eq!(
+        removed[0], expect[3],
+        "the leaf of the oldest chain goes first"
+    );
     let m = common::get(h.addr, "/metrics").await.body;
     assert!(common::metric(&m, "mock:kv_evicted_blocks_total") >= 1.0);
-    assert_eq!(common::metric(&m, "mock:kv_event_batches_dropped_total"), 0.0);
+    assert_eq!(
+        common::metric(&m, "mock:kv_event_batches_dropped_total"),
+        0.0
+    );
 
     // vLLM's /reset_prefix_cache clears the cache and says so.
     let last_prompt: Vec<u32> = (0..16).map(|i| 2000 * 3 + i).collect();
-    let cached = |body: String| serde_json::from_str::<serde_json::Value>(&body).unwrap()["cached_tokens"].clone();
+    let cached = |body: String| {
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["cached_tokens"].clone()
+    };
     let probe = common::post(h.addr, "/v1/cache/probe", &completion(&last_prompt, 1), &[]).await;
     assert_eq!(cached(probe.body), 12);
     let r = common::post(h.addr, "/reset_prefix_cache", "", &[]).await;
@@ -326,7 +350,10 @@ async fn events_follow_the_cache_and_replay_serves_the_buffer() {
         assert_eq!(w[1].seq, w[0].seq + 1);
     }
     for r in &got {
-        assert!(r.batch.arr_ref().len() == 3, "[ts, events, data_parallel_rank]");
+        assert!(
+            r.batch.arr_ref().len() == 3,
+            "[ts, events, data_parallel_rank]"
+        );
         assert_eq!(r.batch.arr_ref()[2], Value::Int(0));
         match r.batch.arr_ref()[0] {
             Value::F64(ts) => assert!(ts > 1.7e9, "unix seconds"),
@@ -348,7 +375,10 @@ async fn events_follow_the_cache_and_replay_serves_the_buffer() {
     let last = got.last().unwrap().seq;
     assert_eq!(batches.last().unwrap().0, last as i64);
     for r in &got {
-        assert_eq!(batches[r.seq as usize].1, r.payload, "replayed bytes = published bytes");
+        assert_eq!(
+            batches[r.seq as usize].1, r.payload,
+            "replayed bytes = published bytes"
+        );
     }
     // A later start returns only the tail.
     let tail = replay(&replay_ep, last - 1).await;
@@ -373,12 +403,20 @@ async fn replay_buffer_keeps_only_the_last_batches_and_off_means_off() {
     }
     // 1 start-up batch + at least one stored batch per request: only the last 2 are kept.
     let all = replay(ep.replay.as_deref().unwrap(), 0).await;
-    assert_eq!(all.len(), 3, "{:?}", all.iter().map(|a| a.0).collect::<Vec<_>>());
+    assert_eq!(
+        all.len(),
+        3,
+        "{:?}",
+        all.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
     assert!(all[0].0 >= 2);
     assert_eq!(all[1].0, all[0].0 + 1);
 
     let off = common::worker("--block-size 4 --kv-blocks 64").await;
     assert!(off.kv_events.is_none());
     let m = common::get(off.addr, "/metrics").await.body;
-    assert_eq!(common::metric(&m, "mock:kv_event_batches_dropped_total"), 0.0);
+    assert_eq!(
+        common::metric(&m, "mock:kv_event_batches_dropped_total"),
+        0.0
+    );
 }
