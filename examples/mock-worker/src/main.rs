@@ -44,6 +44,16 @@ fn main() {
             cfg.kv_transfer_bandwidth, cfg.threads, cfg.accept_any_model, cfg.preset,
             cfg.enable_prompt_tokens_details, cfg.orca_on_stream, cfg.context_attention, cfg.cache_at_pass_end
         );
+        if let Some(ep) = &h.kv_events {
+            eprintln!(
+                "mock-worker: KV cache events on {} topic={:?} replay={} buffer={} format={}",
+                ep.publish,
+                cfg.kv_events_topic,
+                ep.replay.as_deref().unwrap_or("off"),
+                cfg.kv_events_buffer,
+                cfg.kv_events_format
+            );
+        }
         // SIGINT and SIGTERM end the process with their default action; nothing to flush.
         std::future::pending::<()>().await;
     });
