@@ -9,3 +9,4 @@ pub mod hub;
 pub mod index;
 pub mod metrics;
 pub mod msgpack;
+pub mod vllm;
