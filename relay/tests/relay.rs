@@ -1,0 +1,344 @@
+//! End to end: a fake vLLM engine (zeromq PUB + ROUTER replay, vLLM's framing) feeds the relay;
+//! a tonic client watches the gRPC stream.
+
+use bytes::Bytes;
+use kvroute::hashing::{chain_seed, token_block_hash};
+use kvroute::precise::wire::{Phase, Update, WatchRequest, METHOD, SERVICE};
+use kvroute_relay::engine::{self, EngineOpts};
+use kvroute_relay::hub::{EngineSpec, Hub};
+use kvroute_relay::vllm::{batch, chain, Ev, Hash};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::codec::ProstCodec;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const BS: u32 = 4;
+
+/// A fake engine: publishes batches and answers replay requests from its buffer.
+struct FakeEngine {
+    publisher: PubSocket,
+    buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    pub_ep: String,
+    replay_ep: String,
+}
+
+impl FakeEngine {
+    async fn start() -> FakeEngine {
+        let mut publisher = PubSocket::new();
+        let pub_ep = publisher
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .unwrap()
+            .to_string();
+        let mut router = RouterSocket::new();
+        let replay_ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>> = Arc::default();
+        let buf = buffer.clone();
+        tokio::spawn(async move {
+            while let Ok(req) = router.recv().await {
+                let f = req.into_vec();
+                // [identity, "", start_seq]: what vLLM's ROUTER requires (exactly 3 frames).
+                assert_eq!(f.len(), 3, "replay request frames: {f:?}");
+                assert!(f[1].is_empty());
+                let start = u64::from_be_bytes(f[2].as_ref().try_into().unwrap());
+                let items: Vec<(u64, Vec<u8>)> = buf
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|(s, _)| *s >= start)
+                    .cloned()
+                    .collect();
+                for (seq, payload) in items {
+                    let m = msg(vec![
+                        f[0].clone(),
+                        Bytes::new(),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        Bytes::from(payload),
+                    ]);
+                    router.send(m).await.unwrap();
+                }
+                let end = msg(vec![
+                    f[0].clone(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                    Bytes::new(),
+                ]);
+                router.send(end).await.unwrap();
+            }
+        });
+        FakeEngine {
+            publisher,
+            buffer,
+            pub_ep,
+            replay_ep,
+        }
+    }
+
+    /// Buffers batch `seq` for replay and publishes it unless `drop`.
+    async fn emit(&mut self, seq: u64, evs: &[Ev], drop: bool) {
+        let payload = batch(evs, seq % 2 == 1);
+        self.buffer.lock().unwrap().push((seq, payload.clone()));
+        if !drop {
+            let m = msg(vec![
+                Bytes::from_static(b"kv"),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                Bytes::from(payload),
+            ]);
+            self.publisher.send(m).await.unwrap();
+        }
+    }
+}
+
+fn msg(frames: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(frames).unwrap()
+}
+
+fn kv(model: &str, blocks: &[Vec<u32>]) -> Vec<u64> {
+    let seed = chain_seed(model, None);
+    let mut parent = None;
+    blocks
+        .iter()
+        .map(|b| {
+            let h = token_block_hash(parent, b, seed);
+            parent = Some(h);
+            h
+        })
+        .collect()
+}
+
+fn toks(first: u32, n: usize) -> Vec<Vec<u32>> {
+    (0..n as u32)
+        .map(|i| (0..BS).map(|j| first + i * BS + j).collect())
+        .collect()
+}
+
+async fn start_relay(hub: Arc<Hub>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(kvroute_relay::grpc::serve(hub, l));
+    format!("http://{addr}")
+}
+
+type Stream = tonic::codec::Streaming<Update>;
+
+async fn watch(url: &str, block_size: u32) -> Result<Stream, tonic::Status> {
+    let ch = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready().await.unwrap();
+    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{METHOD}")).unwrap();
+    let req = WatchRequest {
+        gateway: "test".into(),
+        block_size,
+    };
+    g.server_streaming(tonic::Request::new(req), path, ProstCodec::default())
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+async fn next(s: &mut Stream) -> Update {
+    tokio::time::timeout(Duration::from_secs(10), s.message())
+        .await
+        .expect("no update within 10 s")
+        .unwrap()
+        .expect("stream ended")
+}
+
+/// Reads updates until `done` holds over everything seen for worker "w"; returns them.
+async fn until(
+    s: &mut Stream,
+    mut seq: u64,
+    done: impl Fn(&[Update]) -> bool,
+) -> (Vec<Update>, u64) {
+    let mut seen = Vec::new();
+    while !done(&seen) {
+        let u = next(s).await;
+        seq += 1;
+        assert_eq!(u.seq, seq, "seq +1 per update");
+        assert_eq!(u.phase, Phase::Live as i32);
+        seen.push(u);
+    }
+    (seen, seq)
+}
+
+fn stored(us: &[Update]) -> Vec<u64> {
+    us.iter()
+        .flat_map(|u| &u.workers)
+        .flat_map(|w| w.stored.clone())
+        .collect()
+}
+
+fn removed(us: &[Update]) -> Vec<u64> {
+    us.iter()
+        .flat_map(|u| &u.workers)
+        .flat_map(|w| w.removed.clone())
+        .collect()
+}
+
+fn opts() -> EngineOpts {
+    EngineOpts {
+        replay_timeout: Duration::from_secs(2),
+        probe_after: Duration::from_secs(5),
+        refresh_after: Duration::from_secs(3600),
+    }
+}
+
+async fn wait_live(hub: &Hub) {
+    for _ in 0..200 {
+        let live = {
+            let st = hub.lock();
+            st.workers
+                .iter()
+                .all(|w| !w.stale && w.stats.connected.load(Relaxed))
+        };
+        if live {
+            // Give the subscription time to reach the publisher.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("engine never became live");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_deltas_gap_repair_and_restart() {
+    let mut eng = FakeEngine::start().await;
+    // Batch 0 happens before the relay subscribes: it must come from the replay buffer.
+    eng.emit(0, &[chain(None, 100, 2, BS, 0)], false).await;
+    let a = kv("m", &toks(0, 2));
+
+    let hub = Hub::new(BS, 1024);
+    let spec = EngineSpec {
+        name: "w".into(),
+        endpoint: eng.pub_ep.clone(),
+        replay: Some(eng.replay_ep.clone()),
+        model: "m".into(),
+    };
+    tokio::spawn(engine::run(hub.clone(), spec, opts()));
+    wait_live(&hub).await;
+    let url = start_relay(hub.clone()).await;
+
+    let mut s = watch(&url, BS).await.unwrap();
+    let snap = next(&mut s).await;
+    assert_eq!(snap.seq, 1);
+    assert_eq!(snap.epoch, hub.epoch);
+    assert_ne!(snap.sent_unix_ns, 0);
+    assert_eq!(snap.phase, Phase::SnapshotEnd as i32);
+    assert_eq!(snap.workers.len(), 1);
+    let w = &snap.workers[0];
+    assert_eq!((w.worker.as_str(), w.cleared, w.stale), ("w", true, false));
+    assert_eq!(w.stored, a);
+
+    // A live delta: block 2 under block 1 (engine hash 101), in map form (odd seq).
+    eng.emit(1, &[chain(Some(101), 102, 1, BS, 8)], false).await;
+    let b = kv("m", &toks(0, 3))[2];
+    let (_, seq) = until(&mut s, 1, |us| stored(us).contains(&b)).await;
+
+    // Batch 2 is lost on the wire; batch 3 reveals the gap, the replay repairs it.
+    eng.emit(2, &[chain(Some(102), 103, 1, BS, 12)], true).await;
+    eng.emit(3, &[Ev::Removed(vec![Hash::Int(100)])], false)
+        .await;
+    let c = kv("m", &toks(0, 4))[3];
+    let (_, seq) = until(&mut s, seq, |us| {
+        stored(us).contains(&c) && removed(us).contains(&a[0])
+    })
+    .await;
+    let stats = hub.lock().workers[0].stats.clone();
+    assert_eq!(stats.gaps_repaired.load(Relaxed), 1);
+    assert_eq!(stats.gaps_unrepaired.load(Relaxed), 0);
+
+    // The engine restarts: its sequence starts over at 0 → cleared, then the new blocks.
+    eng.buffer.lock().unwrap().clear();
+    eng.emit(0, &[chain(None, 500, 1, BS, 1000)], false).await;
+    let d = kv("m", &toks(1000, 1));
+    let (us, seq) = until(&mut s, seq, |us| stored(us).contains(&d[0])).await;
+    assert!(us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert_eq!(stats.restarts.load(Relaxed), 1);
+    assert_eq!(hub.lock().workers[0].index.blocks.len(), 1);
+
+    // A gap the replay cannot cover (batches 1-2 never buffered) → cleared, never stale data.
+    eng.emit(3, &[chain(None, 600, 1, BS, 2000)], false).await;
+    let e = kv("m", &toks(2000, 1));
+    let (us, _) = until(&mut s, seq, |us| stored(us).contains(&e[0])).await;
+    assert!(us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert_eq!(stats.gaps_unrepaired.load(Relaxed), 1);
+    assert_eq!(hub.lock().workers[0].index.blocks.len(), 1);
+
+    // A second watcher gets the current state as its snapshot.
+    let mut s2 = watch(&url, BS).await.unwrap();
+    let snap = next(&mut s2).await;
+    assert_eq!(snap.phase, Phase::SnapshotEnd as i32);
+    assert_eq!(snap.workers[0].stored, e);
+
+    let m = kvroute_relay::metrics::render_metrics(&hub);
+    assert!(
+        m.contains("kvroute_relay_gaps_repaired_total{worker=\"w\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("kvroute_relay_streams_open 2"), "{m}");
+}
+
+#[tokio::test]
+async fn block_size_mismatch_is_failed_precondition() {
+    let hub = Hub::new(16, 16);
+    let url = start_relay(hub).await;
+    let err = watch(&url, 32).await.err().expect("mismatch accepted");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(err.message().contains("block_size"), "{}", err.message());
+}
+
+#[tokio::test]
+async fn empty_relay_sends_an_empty_snapshot_end() {
+    let hub = Hub::new(16, 16);
+    let url = start_relay(hub).await;
+    let mut s = watch(&url, 16).await.unwrap();
+    let u = next(&mut s).await;
+    assert_eq!((u.seq, u.phase), (1, Phase::SnapshotEnd as i32));
+    assert!(u.workers.is_empty());
+}
+
+#[tokio::test]
+async fn big_snapshots_are_chunked() {
+    let hub = Hub::new(1, 16);
+    let (w, _) = hub.add_engine(&EngineSpec {
+        name: "big".into(),
+        endpoint: "tcp://127.0.0.1:1".into(),
+        replay: None,
+        model: "m".into(),
+    });
+    let n = 70_000u64;
+    {
+        let mut st = hub.lock();
+        for i in 0..n {
+            st.workers[w].index.blocks.insert(i, i + 1, 0);
+        }
+    }
+    let url = start_relay(hub).await;
+    let mut s = watch(&url, 1).await.unwrap();
+    let mut total = 0;
+    let mut phases = Vec::new();
+    let mut cleared = 0;
+    loop {
+        let u = next(&mut s).await;
+        for w in &u.workers {
+            assert!(w.stored.len() <= 32768);
+            total += w.stored.len();
+            cleared += usize::from(w.cleared);
+        }
+        phases.push(u.phase);
+        if u.phase == Phase::SnapshotEnd as i32 {
+            break;
+        }
+    }
+    assert_eq!(total as u64, n);
+    assert_eq!(
+        cleared, 1,
+        "cleared only on the worker's first snapshot part"
+    );
+    assert_eq!(phases, vec![1, 1, 2]);
+}
