@@ -77,6 +77,9 @@ extern "C" {
     ) -> u32;
     fn proxy_dequeue_shared_queue(id: u32, ret_data: *mut *mut u8, ret_size: *mut usize) -> u32;
     fn proxy_enqueue_shared_queue(id: u32, value: *const u8, value_size: usize) -> u32;
+    fn proxy_grpc_send(token: u32, message: *const u8, message_size: usize, end_stream: u32)
+        -> u32;
+    fn proxy_grpc_cancel(token: u32) -> u32;
 }
 
 /// The ABI's status codes (proxy-wasm spec), as far as the adapter tells them apart.
@@ -312,6 +315,16 @@ pub fn dequeue(id: u32) -> Result<Option<Vec<u8>>, Status> {
 pub fn enqueue(id: u32, msg: &[u8]) -> Result<(), Status> {
     // SAFETY: the message is valid for its length; the host copies it.
     status(unsafe { proxy_enqueue_shared_queue(id, msg.as_ptr(), msg.len()) })
+}
+
+pub fn grpc_send(token: u32, msg: &[u8], end_stream: bool) -> Result<(), Status> {
+    // SAFETY: the message is valid for its length; the host copies it.
+    status(unsafe { proxy_grpc_send(token, msg.as_ptr(), msg.len(), u32::from(end_stream)) })
+}
+
+pub fn grpc_cancel(token: u32) -> Result<(), Status> {
+    // SAFETY: plain value arguments.
+    status(unsafe { proxy_grpc_cancel(token) })
 }
 
 #[cfg(test)]

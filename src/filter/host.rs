@@ -34,6 +34,12 @@ pub trait Host {
         headers: &[(&str, &str)],
         timeout: Duration,
     ) -> HostResult<u32>;
+    /// Opens a gRPC stream on an Envoy cluster; its messages and close arrive in the root
+    /// context's `on_grpc_stream_message` / `on_grpc_stream_close` with the returned token.
+    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32>;
+    fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> HostResult<()>;
+    /// Drops a stream; the host sends no close callback for it.
+    fn grpc_cancel(&self, token: u32) -> HostResult<()>;
 }
 
 pub struct ProxyHost;
@@ -94,6 +100,21 @@ impl Host for ProxyHost {
         // panics only on a status Envoy's http_call never returns (Ok, BadArgument for an
         // unknown cluster, InternalFailure).
         proxy_wasm::hostcalls::dispatch_http_call(cluster, headers.to_vec(), None, vec![], timeout)
+    }
+
+    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32> {
+        // Through the SDK for the same reason as `http_call` (its dispatcher routes the
+        // stream's callbacks by token). Envoy answers Ok, ParseFailure (unknown cluster) or
+        // InternalFailure, which the SDK returns as errors; it panics on no other.
+        proxy_wasm::hostcalls::open_grpc_stream(cluster, service, method, vec![])
+    }
+
+    fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> HostResult<()> {
+        ffi::grpc_send(token, msg, end_stream)
+    }
+
+    fn grpc_cancel(&self, token: u32) -> HostResult<()> {
+        ffi::grpc_cancel(token)
     }
 }
 
@@ -203,5 +224,18 @@ impl Calls {
         timeout: Duration,
     ) -> Option<u32> {
         self.ok(self.host.http_call(cluster, headers, timeout))
+    }
+
+    pub fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> Option<u32> {
+        self.ok(self.host.grpc_open(cluster, service, method))
+    }
+
+    pub fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> bool {
+        self.ok(self.host.grpc_send(token, msg, end_stream))
+            .is_some()
+    }
+
+    pub fn grpc_cancel(&self, token: u32) {
+        self.ok(self.host.grpc_cancel(token));
     }
 }

@@ -31,6 +31,12 @@ pub struct Http {
 }
 
 impl Http {
+    /// The routing decision, for tests that follow a request into the index.
+    #[cfg(test)]
+    pub fn decision(&self) -> Option<&Decision> {
+        self.decision.as_ref()
+    }
+
     pub fn new(host: Rc<Calls>, st: Option<Rc<RefCell<State>>>) -> Self {
         Http {
             host,

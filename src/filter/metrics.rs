@@ -84,6 +84,17 @@ pub struct Metrics {
     pub scrapes_ok: Id,
     pub scrapes_error: Id,
     pub scrape_us: Id,
+    /// Precise mode: the relay stream is live (snapshot received), per VM holding it.
+    pub precise_live: Id,
+    pub precise_fed_workers: Id,
+    pub precise_updates: Id,
+    pub precise_stored: Id,
+    pub precise_removed: Id,
+    /// Streams that ended or were dropped (each one is a fallback to predictions).
+    pub precise_stream_failures: Id,
+    pub precise_unknown_workers: Id,
+    /// Relay send to this VM's receipt, from the update's `sent_unix_ns`.
+    pub precise_delay_us: Id,
     pub workers: Vec<WorkerMetrics>,
 }
 
@@ -132,6 +143,14 @@ impl Metrics {
             scrapes_ok: c("kvroute.feedback.metrics.total"),
             scrapes_error: c("kvroute.feedback.metrics_error.total"),
             scrape_us: h("kvroute.metrics_scrape_us"),
+            precise_live: g("kvroute.precise.stream_live"),
+            precise_fed_workers: g("kvroute.precise.fed_workers"),
+            precise_updates: c("kvroute.precise.updates.total"),
+            precise_stored: c("kvroute.precise.blocks_stored.total"),
+            precise_removed: c("kvroute.precise.blocks_removed.total"),
+            precise_stream_failures: c("kvroute.precise.stream_failures.total"),
+            precise_unknown_workers: c("kvroute.precise.unknown_workers.total"),
+            precise_delay_us: h("kvroute.precise.event_delay_us"),
             workers: worker_names
                 .iter()
                 .map(|w| WorkerMetrics {

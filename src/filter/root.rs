@@ -48,6 +48,22 @@ impl Context for Root {
             }
         }
     }
+
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        if let Some(st) = &self.state {
+            if let Ok(mut s) = st.try_borrow_mut() {
+                s.on_relay_message(token_id, message_size);
+            }
+        }
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        if let Some(st) = &self.state {
+            if let Ok(mut s) = st.try_borrow_mut() {
+                s.on_relay_close(token_id, status_code);
+            }
+        }
+    }
 }
 
 impl RootContext for Root {

@@ -3,6 +3,7 @@
 
 use super::host::Calls;
 use super::metrics::Metrics;
+use super::relay::RelayStream;
 use crate::config::{Config, Role};
 use crate::events::{self, Event};
 use crate::feedback::OrcaLoad;
@@ -19,20 +20,22 @@ use std::time::Duration;
 const DRAIN_MAX: usize = 4096;
 
 pub struct State {
-    host: Rc<Calls>,
+    pub(super) host: Rc<Calls>,
     pub router: Router,
     pub metrics: Metrics,
     /// Routes and client headers of interest, fixed by the configuration.
     pub intercept: Intercept,
     bus: Box<dyn SharedBus>,
-    repl: Option<Replicator>,
+    pub(super) repl: Option<Replicator>,
     /// This VM has routed a request; until then replicated events wait in `backlog`.
-    serving: bool,
-    backlog: Backlog,
+    pub(super) serving: bool,
+    pub(super) backlog: Backlog,
     /// Events for the other VMs, sent by `run_deferred`.
     outbox: Vec<Event>,
     wake_pending: bool,
     poller: Poller,
+    pub(super) relay: RelayStream,
+    pub(super) plugin_name: String,
 }
 
 /// Scrapes of the engines' Prometheus endpoints (config `metrics`). One VM of the process
@@ -63,7 +66,7 @@ fn read_lease(v: &[u8]) -> Option<(u32, u64)> {
 
 /// Raw replication messages kept by a VM that does not route (yet), oldest dropped first.
 #[derive(Default)]
-struct Backlog {
+pub(super) struct Backlog {
     msgs: std::collections::VecDeque<Vec<u8>>,
     bytes: usize,
 }
@@ -72,7 +75,7 @@ struct Backlog {
 const BACKLOG_BYTES: usize = 8 << 20;
 
 impl Backlog {
-    fn push(&mut self, msg: Vec<u8>) {
+    pub(super) fn push(&mut self, msg: Vec<u8>) {
         self.bytes += msg.len();
         self.msgs.push_back(msg);
         while self.bytes > BACKLOG_BYTES {
@@ -146,6 +149,8 @@ impl State {
                 lease_key: format!("{ns}/metrics-poller"),
                 ..Poller::default()
             },
+            relay: RelayStream::new(ns),
+            plugin_name: ns.split('@').next().unwrap_or("kvroute").to_string(),
         }
     }
 
@@ -274,6 +279,7 @@ impl State {
         }
         self.drain();
         self.poll(now);
+        self.relay_tick(now);
         let (lost, _) = self.router.tick(now);
         self.metrics.expired_requests.add(lost as u64);
         // Gauges are process-wide and every VM writes them: only VMs that route hold the
@@ -304,7 +310,7 @@ impl State {
         self.metrics
             .scrapes_error
             .add((before - self.poller.pending.len()) as u64);
-        if !self.hold_lease(now, period) {
+        if !self.hold_lease(&self.poller.lease_key, now, period) {
             return;
         }
         let path = m.path.clone();
@@ -341,19 +347,18 @@ impl State {
 
     /// True when this VM is (now) the one that scrapes. Without replication every VM scrapes
     /// for itself.
-    fn hold_lease(&self, now: u64, period: u64) -> bool {
+    pub(super) fn hold_lease(&self, key: &str, now: u64, period: u64) -> bool {
         let Some(me) = self.repl.as_ref().map(|r| r.id()) else {
             return true;
         };
-        let (cur, cas) = self.bus.get(&self.poller.lease_key);
+        let (cur, cas) = self.bus.get(key);
         if let Some((owner, until)) = cur.as_deref().and_then(read_lease) {
             if owner != me && until > now {
                 return false;
             }
         }
         let until = now + period.saturating_mul(3).max(1_000);
-        self.bus
-            .set(&self.poller.lease_key, &lease_value(me, until), cas)
+        self.bus.set(key, &lease_value(me, until), cas)
     }
 
     /// The answer to a scrape (`on_http_call_response`); `None` headers means no answer

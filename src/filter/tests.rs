@@ -42,6 +42,12 @@ struct Fake {
     /// The answer the current `on_http_call_response` reads.
     call_headers: Vec<(String, Vec<u8>)>,
     call_body: Vec<u8>,
+    /// gRPC streams opened: token, cluster, service/method; messages sent; cancelled.
+    grpc_opened: Vec<(u32, String, String)>,
+    grpc_sent: Vec<(u32, Vec<u8>, bool)>,
+    grpc_cancelled: Vec<u32>,
+    /// The message the current `on_grpc_stream_message` reads.
+    grpc_message: Vec<u8>,
 }
 
 #[derive(Clone, Default)]
@@ -94,6 +100,7 @@ impl Host for FakeHost {
             BufferType::HttpResponseBody => &f.response_chunk,
             BufferType::PluginConfiguration => &f.plugin_config,
             BufferType::HttpCallResponseBody => &f.call_body,
+            BufferType::GrpcReceiveBuffer => &f.grpc_message,
             _ => return Ok(None),
         };
         let end = b.len().min(start.saturating_add(max));
@@ -170,6 +177,29 @@ impl Host for FakeHost {
             .collect();
         f.calls.push((token, cluster.to_string(), headers));
         Ok(token)
+    }
+
+    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32> {
+        self.fails("grpc_open")?;
+        let mut f = self.0.borrow_mut();
+        let token = 500 + f.grpc_opened.len() as u32;
+        f.grpc_opened
+            .push((token, cluster.to_string(), format!("{service}/{method}")));
+        Ok(token)
+    }
+
+    fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> HostResult<()> {
+        self.fails("grpc_send")?;
+        self.0
+            .borrow_mut()
+            .grpc_sent
+            .push((token, msg.to_vec(), end_stream));
+        Ok(())
+    }
+
+    fn grpc_cancel(&self, token: u32) -> HostResult<()> {
+        self.0.borrow_mut().grpc_cancelled.push(token);
+        Ok(())
     }
 }
 
@@ -1057,4 +1087,155 @@ fn scrapes_are_bounded_and_off_by_default() {
     a.state.borrow_mut().tick();
     assert_eq!(a.counter("kvroute.feedback.metrics_error.total"), 9);
     assert_eq!(a.calls().len(), 6);
+}
+
+const PRECISE: &str = r#","disaggregation":{"threshold_tokens":0},"precise":{"cluster":"relay"}"#;
+
+impl Vm {
+    fn relay_update(&self, token: u32, u: &crate::precise::wire::Update) {
+        use prost::Message;
+        self.f().grpc_message = u.encode_to_vec();
+        let n = self.f().grpc_message.len();
+        self.state.borrow_mut().on_relay_message(token, n);
+    }
+
+    fn held(&self, hashes: &[u64]) -> Vec<u32> {
+        let now = self.host.now_ms();
+        let mut out = vec![0u32; 3];
+        self.state
+            .borrow()
+            .router
+            .held_blocks(hashes, now, &mut out);
+        out
+    }
+}
+
+fn relay_update(
+    seq: u64,
+    phase: crate::precise::wire::Phase,
+    deltas: &[(&str, bool, &[u64], &[u64])],
+) -> crate::precise::wire::Update {
+    crate::precise::wire::Update {
+        seq,
+        epoch: 1,
+        phase: phase as i32,
+        workers: deltas
+            .iter()
+            .map(|(w, c, s, r)| crate::precise::wire::WorkerDelta {
+                worker: (*w).into(),
+                cleared: *c,
+                stored: s.to_vec(),
+                removed: r.to_vec(),
+                stale: false,
+            })
+            .collect(),
+        sent_unix_ns: 900_000_000,
+    }
+}
+
+#[test]
+fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
+    use crate::precise::wire::{Phase, WatchRequest};
+    use prost::Message;
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(PRECISE, Box::new(Process(Rc::clone(&bus))));
+    let b = Vm::with_bus(PRECISE, Box::new(Process(Rc::clone(&bus))));
+    a.state.borrow_mut().start_serving();
+    b.state.borrow_mut().start_serving();
+    a.state.borrow_mut().tick();
+    b.state.borrow_mut().tick();
+    let opened = a.f().grpc_opened.clone();
+    assert_eq!(
+        opened,
+        vec![(500, "relay".into(), "kvroute.relay.v1.Relay/Watch".into())]
+    );
+    assert!(b.f().grpc_opened.is_empty(), "a holds the lease");
+    let (tok, msg, end) = a.f().grpc_sent[0].clone();
+    assert_eq!((tok, end), (500, true));
+    assert_eq!(WatchRequest::decode(msg.as_slice()).unwrap().block_size, 16);
+
+    // Before the snapshot: predictions. A pick confirmed on d0 is held.
+    let (mut h, _) = a.post(&"x".repeat(400));
+    a.answer(&mut h, "200", &[]);
+    a.body_chunk(&mut h, b"{}", true);
+    let d = h.decision().unwrap().clone();
+    let w = usize::from(d.decode);
+    let hashes = d.hashes().to_vec();
+    assert_eq!(a.held(&hashes)[w] as usize, hashes.len());
+
+    // The snapshot says the engine of that worker holds only the first block, and the other
+    // decode worker holds all of them.
+    let other = if w == 0 { "d1" } else { "d0" };
+    let mine = if w == 0 { "d0" } else { "d1" };
+    a.relay_update(
+        500,
+        &relay_update(1, Phase::Snapshot, &[(mine, true, &hashes[..1], &[])]),
+    );
+    a.relay_update(
+        500,
+        &relay_update(
+            2,
+            Phase::SnapshotEnd,
+            &[(other, true, &hashes, &[]), ("nobody", true, &[], &[])],
+        ),
+    );
+    assert_eq!(a.counter("kvroute.precise.updates.total"), 2);
+    assert_eq!(a.counter("kvroute.precise.unknown_workers.total"), 1);
+    assert_eq!(a.recorded("kvroute.precise.fed_workers"), Some(2));
+    assert_eq!(a.recorded("kvroute.precise.event_delay_us"), Some(100_000));
+    a.state.borrow_mut().drain();
+    b.state.borrow_mut().drain();
+    for vm in [&a, &b] {
+        let held = vm.held(&hashes);
+        let s = vm.state.borrow();
+        assert!(s.router.engine_fed(0) && s.router.engine_fed(1));
+        assert!(!s.router.engine_fed(2), "p0 is not in the snapshot");
+        assert_eq!(held[1 - w] as usize, hashes.len());
+        assert_eq!(s.router.index().entries(d.decode), 1);
+    }
+
+    // A gap: the stream is dropped, every worker falls back, and it is reopened later.
+    a.relay_update(500, &relay_update(4, Phase::Live, &[]));
+    assert_eq!(a.f().grpc_cancelled, vec![500]);
+    assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 1);
+    assert!(!a.state.borrow().router.engine_fed(0));
+    a.state.borrow_mut().drain();
+    b.state.borrow_mut().drain();
+    assert!(!b.state.borrow().router.engine_fed(0));
+    a.f().now_ns += 300_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.f().grpc_opened.len(), 2);
+    // The relay closing the new stream is a failure too; backoff doubles.
+    a.state.borrow_mut().on_relay_close(501, 14);
+    assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 2);
+    a.f().now_ns += 300_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(
+        a.f().grpc_opened.len(),
+        2,
+        "waits 500 ms after the second failure"
+    );
+    a.f().now_ns += 300_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.f().grpc_opened.len(), 3);
+    let warns = a
+        .f()
+        .logs
+        .iter()
+        .filter(|(l, m)| *l == LogLevel::Warn && m.contains("routing on predictions"))
+        .count();
+    assert_eq!(warns, 1, "a relay that stays down is logged once");
+}
+
+#[test]
+fn precise_mode_is_off_without_a_cluster_and_an_unknown_cluster_is_not_fatal() {
+    let off = Vm::new(NO_DISAGG);
+    off.state.borrow_mut().tick();
+    assert!(off.f().grpc_opened.is_empty());
+    let a = Vm::new(PRECISE);
+    a.f().failing.push("grpc_open");
+    a.state.borrow_mut().tick();
+    assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 1);
+    let (h, _) = a.post("still routes");
+    assert!(h.decision().is_some());
 }
