@@ -74,7 +74,7 @@ pub fn engine_key_bytes(b: &[u8]) -> u64 {
 pub fn decode_batch(payload: &[u8]) -> R<Batch<'_>> {
     let mut r = Reader::new(payload);
     let mut batch = Batch::default();
-    match need(r.next(), "truncated batch")? {
+    match need(r.read(), "truncated batch")? {
         Value::Array(n) => {
             for i in 0..n {
                 match i {
@@ -111,14 +111,14 @@ pub fn decode_batch(payload: &[u8]) -> R<Batch<'_>> {
 }
 
 fn read_key<'a>(r: &mut Reader<'a>) -> R<&'a [u8]> {
-    match need(r.next(), "truncated key")? {
+    match need(r.read(), "truncated key")? {
         Value::Str(s) => Ok(s),
         _ => Err(DecodeError("map key is not a string")),
     }
 }
 
 fn read_f64(r: &mut Reader<'_>) -> R<f64> {
-    match need(r.next(), "truncated number")? {
+    match need(r.read(), "truncated number")? {
         Value::Float(f) => Ok(f),
         Value::Int(i) => Ok(i as f64),
         _ => Err(DecodeError("expected a number")),
@@ -126,7 +126,7 @@ fn read_f64(r: &mut Reader<'_>) -> R<f64> {
 }
 
 fn read_opt_i64(r: &mut Reader<'_>) -> R<Option<i64>> {
-    match need(r.next(), "truncated int")? {
+    match need(r.read(), "truncated int")? {
         Value::Nil => Ok(None),
         Value::Int(i) => Ok(i64::try_from(i).ok()),
         _ => Err(DecodeError("expected an int")),
@@ -134,7 +134,7 @@ fn read_opt_i64(r: &mut Reader<'_>) -> R<Option<i64>> {
 }
 
 fn read_opt_u32(r: &mut Reader<'_>) -> R<Option<u32>> {
-    match need(r.next(), "truncated int")? {
+    match need(r.read(), "truncated int")? {
         Value::Nil => Ok(None),
         Value::Int(i) => u32::try_from(i)
             .map(Some)
@@ -144,7 +144,7 @@ fn read_opt_u32(r: &mut Reader<'_>) -> R<Option<u32>> {
 }
 
 fn read_opt_str<'a>(r: &mut Reader<'a>) -> R<Option<&'a str>> {
-    match need(r.next(), "truncated string")? {
+    match need(r.read(), "truncated string")? {
         Value::Nil => Ok(None),
         Value::Str(s) => std::str::from_utf8(s)
             .map(Some)
@@ -163,11 +163,11 @@ fn hash_of(v: Value<'_>) -> R<Option<u64>> {
 }
 
 fn read_opt_hash(r: &mut Reader<'_>) -> R<Option<u64>> {
-    hash_of(need(r.next(), "truncated hash")?)
+    hash_of(need(r.read(), "truncated hash")?)
 }
 
 fn read_hashes(r: &mut Reader<'_>) -> R<Vec<u64>> {
-    let n = match need(r.next(), "truncated hash list")? {
+    let n = match need(r.read(), "truncated hash list")? {
         Value::Array(n) => n,
         Value::Nil => return Ok(Vec::new()),
         _ => return Err(DecodeError("block_hashes is not a list")),
@@ -175,7 +175,7 @@ fn read_hashes(r: &mut Reader<'_>) -> R<Vec<u64>> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         out.push(need(
-            hash_of(need(r.next(), "truncated hash")?)?,
+            hash_of(need(r.read(), "truncated hash")?)?,
             "null block hash",
         )?);
     }
@@ -183,14 +183,14 @@ fn read_hashes(r: &mut Reader<'_>) -> R<Vec<u64>> {
 }
 
 fn read_tokens(r: &mut Reader<'_>) -> R<Vec<u32>> {
-    let n = match need(r.next(), "truncated token list")? {
+    let n = match need(r.read(), "truncated token list")? {
         Value::Array(n) => n,
         Value::Nil => return Ok(Vec::new()),
         _ => return Err(DecodeError("token_ids is not a list")),
     };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        match need(r.next(), "truncated token id")? {
+        match need(r.read(), "truncated token id")? {
             Value::Int(i) => out.push(u32::try_from(i).map_err(|_| DecodeError("bad token id"))?),
             _ => return Err(DecodeError("token id is not an int")),
         }
@@ -247,7 +247,7 @@ fn tag_of(s: &[u8]) -> Tag {
 }
 
 fn read_events<'a>(r: &mut Reader<'a>, batch: &mut Batch<'a>) -> R<()> {
-    let n = match need(r.next(), "truncated event list")? {
+    let n = match need(r.read(), "truncated event list")? {
         Value::Array(n) => n,
         _ => return Err(DecodeError("events is not a list")),
     };
@@ -263,12 +263,12 @@ fn read_events<'a>(r: &mut Reader<'a>, batch: &mut Batch<'a>) -> R<()> {
 
 fn read_event<'a>(r: &mut Reader<'a>) -> R<Option<Event<'a>>> {
     let mut f = Fields::default();
-    let tag = match need(r.next(), "truncated event")? {
+    let tag = match need(r.read(), "truncated event")? {
         Value::Array(n) => {
             if n == 0 {
                 return Err(DecodeError("empty event"));
             }
-            let tag = match need(r.next(), "truncated event tag")? {
+            let tag = match need(r.read(), "truncated event tag")? {
                 Value::Str(s) => tag_of(s),
                 _ => return Err(DecodeError("event tag is not a string")),
             };
@@ -290,7 +290,7 @@ fn read_event<'a>(r: &mut Reader<'a>) -> R<Option<Event<'a>>> {
             for _ in 0..n {
                 let key = read_key(r)?;
                 if key == b"type" {
-                    match need(r.next(), "truncated event tag")? {
+                    match need(r.read(), "truncated event tag")? {
                         Value::Str(s) => tag = Some(tag_of(s)),
                         _ => return Err(DecodeError("event tag is not a string")),
                     }

@@ -224,10 +224,7 @@ async fn live(s: &mut Stream) {
             if hashes >= LIVE_CHUNK {
                 break;
             }
-            next = match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(r) => Some(r),
-                Err(_) => None,
-            };
+            next = tokio::time::timeout_at(deadline, rx.recv()).await.ok();
         }
         if lagged {
             add(&s.hub.stats.lagged_resnapshots, 1);

@@ -70,7 +70,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads the next value (for containers, only the header).
-    pub fn next(&mut self) -> Option<Value<'a>> {
+    pub fn read(&mut self) -> Option<Value<'a>> {
         let b = self.u8()?;
         Some(match b {
             0x00..=0x7f => Value::Int(i128::from(b)),
@@ -158,7 +158,7 @@ impl<'a> Reader<'a> {
         if depth > MAX_DEPTH {
             return None;
         }
-        match self.next()? {
+        match self.read()? {
             Value::Array(n) => {
                 for _ in 0..n {
                     self.skip_depth(depth + 1)?;

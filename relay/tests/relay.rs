@@ -15,10 +15,13 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage
 
 const BS: u32 = 4;
 
+/// Replay buffer of the fake engine: (seq, payload).
+type Buffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
 /// A fake engine: publishes batches and answers replay requests from its buffer.
 struct FakeEngine {
     publisher: PubSocket,
-    buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    buffer: Buffer,
     pub_ep: String,
     replay_ep: String,
 }
@@ -33,7 +36,7 @@ impl FakeEngine {
             .to_string();
         let mut router = RouterSocket::new();
         let replay_ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        let buffer: Arc<Mutex<Vec<(u64, Vec<u8>)>>> = Arc::default();
+        let buffer: Buffer = Arc::default();
         let buf = buffer.clone();
         tokio::spawn(async move {
             while let Ok(req) = router.recv().await {
@@ -287,7 +290,7 @@ async fn snapshot_deltas_gap_repair_and_restart() {
 async fn block_size_mismatch_is_failed_precondition() {
     let hub = Hub::new(16, 16);
     let url = start_relay(hub).await;
-    let err = watch(&url, 32).await.err().expect("mismatch accepted");
+    let err = watch(&url, 32).await.expect_err("mismatch accepted");
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
     assert!(err.message().contains("block_size"), "{}", err.message());
 }
