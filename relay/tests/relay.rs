@@ -345,3 +345,83 @@ async fn big_snapshots_are_chunked() {
     );
     assert_eq!(phases, vec![1, 1, 2]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lagging_stream_gets_a_fresh_snapshot() {
+    use kvroute_relay::hub::Change;
+    use kvroute_relay::index::Delta;
+    let hub = Hub::new(1, 2);
+    let (w, _) = hub.add_engine(&EngineSpec {
+        name: "w".into(),
+        endpoint: "tcp://127.0.0.1:1".into(),
+        replay: None,
+        model: "m".into(),
+    });
+    let url = start_relay(hub.clone()).await;
+    let mut s = watch(&url, 1).await.unwrap();
+    assert_eq!(next(&mut s).await.phase, Phase::SnapshotEnd as i32);
+    // The client reads nothing while far more changes arrive than the stream can buffer.
+    for i in 0..300u64 {
+        let mut st = hub.lock();
+        let stored: Vec<u64> = (i * 1000..(i + 1) * 1000).collect();
+        for &h in &stored {
+            st.workers[w].index.blocks.insert(h, h, 0);
+        }
+        st.publish(vec![Change {
+            worker: w,
+            delta: Delta {
+                stored,
+                ..Delta::default()
+            },
+        }]);
+    }
+    let mut seq = 1;
+    let mut resnapshot = false;
+    while !resnapshot {
+        let u = next(&mut s).await;
+        seq += 1;
+        assert_eq!(u.seq, seq);
+        resnapshot = u.phase != Phase::Live as i32;
+    }
+    assert!(hub.stats.lagged_resnapshots.load(Relaxed) >= 1);
+    // The fresh snapshot holds every block.
+    let mut total = 0;
+    let mut u = next(&mut s).await;
+    loop {
+        total += u.workers.iter().map(|w| w.stored.len()).sum::<usize>();
+        if u.phase == Phase::SnapshotEnd as i32 {
+            break;
+        }
+        u = next(&mut s).await;
+    }
+    assert!(total > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_engine_is_marked_stale() {
+    let eng = FakeEngine::start().await;
+    let hub = Hub::new(BS, 64);
+    let spec = EngineSpec {
+        name: "w".into(),
+        endpoint: eng.pub_ep.clone(),
+        replay: Some(eng.replay_ep.clone()),
+        model: "m".into(),
+    };
+    let o = EngineOpts {
+        probe_after: Duration::from_millis(300),
+        ..opts()
+    };
+    tokio::spawn(engine::run(hub.clone(), spec, o));
+    wait_live(&hub).await;
+    let url = start_relay(hub.clone()).await;
+    let mut s = watch(&url, BS).await.unwrap();
+    let snap = next(&mut s).await;
+    assert!(!snap.workers[0].stale);
+    drop(eng.publisher);
+    let (us, _) = until(&mut s, 1, |us| {
+        us.iter().flat_map(|u| &u.workers).any(|w| w.stale)
+    })
+    .await;
+    assert_eq!(us.last().unwrap().workers[0].worker, "w");
+    assert!(!hub.lock().workers[0].stats.connected.load(Relaxed));
+}
