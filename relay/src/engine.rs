@@ -189,6 +189,7 @@ impl Engine {
                 // First contact: the replay buffer's batches are a suffix of the engine's
                 // history, safe to apply onto an empty index.
                 let frames = self.try_replay(0).await.unwrap_or_default();
+                self.seq.dup_floor = frames.first().map_or(u64::MAX, |f| f.0);
                 self.apply_frames(frames, None);
             }
             Some(last) => match self.try_replay(last).await {
@@ -202,6 +203,7 @@ impl Engine {
                     self.note_unrepaired("cannot verify the sequence after reconnecting");
                     self.clear();
                     self.seq.last = None;
+                    self.seq.dup_floor = frames.first().map_or(u64::MAX, |f| f.0);
                     self.apply_frames(frames, None);
                 }
                 None => {
@@ -312,7 +314,11 @@ impl Engine {
     async fn on_message(&mut self, seq: u64, payload: Bytes) {
         match self.seq.last {
             None => self.apply_batch(seq, &payload),
-            Some(last) if seq == last.wrapping_add(1) => self.apply_batch(seq, &payload),
+            Some(last) if seq == last.wrapping_add(1) => {
+                // In order from the live stream: no duplicates of a replay can follow.
+                self.seq.dup_floor = u64::MAX;
+                self.apply_batch(seq, &payload);
+            }
             Some(last) if seq > last => {
                 // Gap: fetch last+1.. from the replay buffer.
                 let want = last + 1;
@@ -349,7 +355,10 @@ impl Engine {
                         self.seq.last = None;
                         self.apply_batch(seq, &payload);
                     }
-                    _ => self.apply_batch(seq, &payload),
+                    _ => {
+                        self.seq.dup_floor = u64::MAX;
+                        self.apply_batch(seq, &payload);
+                    }
                 }
             }
             Some(_) if seq >= self.seq.dup_floor => {} // already applied from a replay

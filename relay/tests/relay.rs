@@ -425,3 +425,47 @@ async fn lost_engine_is_marked_stale() {
     assert_eq!(us.last().unwrap().workers[0].worker, "w");
     assert!(!hub.lock().workers[0].stats.connected.load(Relaxed));
 }
+
+/// Live copies of batches the relay already took from the replay are duplicates, not a
+/// restart; once the live stream is back in order, a sequence going back is a restart again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_batches_seen_live_are_duplicates() {
+    let mut eng = FakeEngine::start().await;
+    eng.emit(0, &[chain(None, 100, 1, BS, 0)], true).await;
+    let hub = Hub::new(BS, 64);
+    let spec = EngineSpec {
+        name: "w".into(),
+        endpoint: eng.pub_ep.clone(),
+        replay: Some(eng.replay_ep.clone()),
+        model: "m".into(),
+    };
+    tokio::spawn(engine::run(hub.clone(), spec, opts()));
+    wait_live(&hub).await;
+    let stats = hub.lock().workers[0].stats.clone();
+    assert_eq!(
+        hub.lock().workers[0].index.blocks.len(),
+        1,
+        "batch 0 from the replay"
+    );
+    let url = start_relay(hub.clone()).await;
+    let mut s = watch(&url, BS).await.unwrap();
+    next(&mut s).await;
+    // Batch 0 arrives live too (it was queued while the relay replayed).
+    let payload = batch(&[chain(None, 100, 1, BS, 0)], false);
+    let m = msg(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&0u64.to_be_bytes()),
+        Bytes::from(payload),
+    ]);
+    eng.publisher.send(m).await.unwrap();
+    eng.emit(1, &[chain(Some(100), 101, 1, BS, 4)], false).await;
+    let b = kv("m", &toks(0, 2))[1];
+    let (us, seq) = until(&mut s, 1, |us| stored(us).contains(&b)).await;
+    assert!(!us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert_eq!(stats.restarts.load(Relaxed), 0);
+    // Now a restart.
+    eng.emit(0, &[chain(None, 7, 1, BS, 100)], false).await;
+    let c = kv("m", &toks(100, 1))[0];
+    until(&mut s, seq, |us| stored(us).contains(&c)).await;
+    assert_eq!(stats.restarts.load(Relaxed), 1);
+}
