@@ -74,9 +74,14 @@ $(VENV)/.ruff-$(RUFF_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
 mock-worker:
 	cargo build --release -p mock-worker
 
+# kvroute-relay (precise mode): the engines' KV events into Envoy, see relay/README.md.
+.PHONY: relay
+relay:
+	cargo build --release -p kvroute-relay
+
 # ---- the demo stack
 .PHONY: run stop demo
-run: wasm mock-worker venv
+run: wasm mock-worker relay venv
 	@$(PY) scripts/demo.py run
 
 stop:
@@ -107,7 +112,7 @@ _test_wasm:
 		--target wasm32-unknown-unknown $(WASM_STD_FLAGS)
 
 .PHONY: test-e2e
-test-e2e: wasm mock-worker venv
+test-e2e: wasm mock-worker relay venv
 	$(PY) -m pytest tests/e2e -q
 
 # ---- lint gate: formatting, clippy with the no-panic lints (Cargo.toml [lints.clippy]) on

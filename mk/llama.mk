@@ -9,6 +9,8 @@
 # The end-to-end suite (tests/e2e/test_llama.py) runs against it, so `make test-e2e` builds it.
 
 ENGINE ?= mock
+PRECISE ?=
+export PRECISE
 export ENGINE
 
 .PHONY: llama

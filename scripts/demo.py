@@ -217,6 +217,22 @@ RUN_DIR = os.path.join(ROOT, "build", "run")
 DEMO_WORKERS = envoyconf.demo_fleet()
 
 
+PRECISE = os.environ.get("PRECISE", "") not in ("", "0")
+# `make run PRECISE=1`: KV event ports (ARCHITECTURE.md), replay 100 above, relay on 7000/7001.
+KV_EVENT_PORTS = {"decode": 5557, "prefill": 5561}
+REPLAY_OFFSET = 100
+RELAY_PORTS = (7000, 7001)
+MOCK_MODEL = "mock-model"
+
+
+def kv_event_ports(fleet: list[envoyconf.Upstream]) -> dict[str, int]:
+    ports, out = dict(KV_EVENT_PORTS), {}
+    for w in fleet:
+        out[w.name] = ports[w.role if w.role == "prefill" else "decode"]
+        ports[w.role if w.role == "prefill" else "decode"] += 1
+    return out
+
+
 def worker_command(w: envoyconf.Upstream, fleet: list[envoyconf.Upstream]) -> list[str]:
     """The mock worker for `w`. A prefill worker hands its KV only to the decode workers of
     this fleet: a client cannot make it send requests to any address it names."""
@@ -224,6 +240,18 @@ def worker_command(w: envoyconf.Upstream, fleet: list[envoyconf.Upstream]) -> li
            "--speedup", "10", "--kv-blocks", str(w.kv_blocks), "--enable-prompt-tokens-details"]
     if w.role == "prefill":
         cmd += ["--allowed-decode-endpoints", ",".join(o.endpoint for o in fleet if o.role != "prefill")]
+    if PRECISE:
+        port = kv_event_ports(fleet)[w.name]
+        cmd += ["--kv-events", f"tcp://127.0.0.1:{port}",
+                "--kv-events-replay", f"tcp://127.0.0.1:{port + REPLAY_OFFSET}"]
+    return cmd
+
+
+def relay_command(fleet: list[envoyconf.Upstream]) -> list[str]:
+    cmd = [kvstack.RELAY, "--model", MOCK_MODEL, "--block-size", "16",
+           "--listen", f"127.0.0.1:{RELAY_PORTS[0]}", "--metrics", f"127.0.0.1:{RELAY_PORTS[1]}"]
+    for name, port in kv_event_ports(fleet).items():
+        cmd += ["--engine", f"{name}=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{port + REPLAY_OFFSET}"]
     return cmd
 
 
@@ -277,11 +305,17 @@ def run() -> int:
         p = subprocess.Popen(worker_command(w, DEMO_WORKERS), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         pids.append(p.pid)
+    if PRECISE:
+        log = open(os.path.join(RUN_DIR, "relay.log"), "wb")
+        p = subprocess.Popen(relay_command(DEMO_WORKERS), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        pids.append(p.pid)
     log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
     # Envoy exits with SIGTERM when the process that started it exits, so a shell that waits
     # for it stays behind as its parent; `stop` signals the whole process group.
     e = subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", kvstack.ENVOY, "-c",
-                          os.path.join(ROOT, "envoy", "demo.yaml"), "--concurrency", "2"],
+                          os.path.join(ROOT, "envoy", "demo-precise.yaml" if PRECISE else "demo.yaml"),
+                          "--concurrency", "2"],
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     pids.append(e.pid)
     with open(os.path.join(RUN_DIR, "pids"), "w") as f:
@@ -291,6 +325,11 @@ def run() -> int:
     wait_port(10000, proc=e)
     print("kvroute stack running: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
     print("  decode workers 127.0.0.1:8001-8004, prefill pool 127.0.0.1:8101-8102; logs in build/run/")
+    if PRECISE:
+        wait_port(RELAY_PORTS[0])
+        print(f"  precise mode: KV events on tcp://127.0.0.1:5557-5562, kvroute-relay gRPC 127.0.0.1:{RELAY_PORTS[0]}, "
+              f"metrics http://127.0.0.1:{RELAY_PORTS[1]}/metrics (engine events apply to token-id prompts "
+              f"of model {MOCK_MODEL})")
     print("  try: curl -si localhost:10000/v1/completions -d '{\"prompt\":\"hello\",\"max_tokens\":8}'")
     print("  stop with: make stop")
     return 0

@@ -95,6 +95,9 @@ class Site:
     # A `<worker>-metrics` cluster per worker holding only that worker (no failover), for
     # kvroute's metrics poller (`metrics.cluster_suffix: "-metrics"`).
     metrics_clusters: bool = False
+    # Precise mode: kvroute-relay's gRPC address; adds the `kvroute-relay` cluster (HTTP/2)
+    # that the plugin's `precise.cluster` names.
+    relay: tuple[str, int] | None = None
     header: list[str] = field(default_factory=list)
 
 
@@ -174,6 +177,24 @@ def _cluster(site: Site, name: str, endpoints: list, lb_policy: str | None = Non
         c["circuit_breakers"] = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                                  "max_requests": 100000, "max_retries": 100}]}
     c["load_assignment"] = {"cluster_name": name, "endpoints": endpoints}
+    return c
+
+
+RELAY_CLUSTER = "kvroute-relay"
+
+
+def relay_cluster(site: Site) -> dict:
+    host, port = site.relay or ("127.0.0.1", 7000)
+    c: dict = {"name": RELAY_CLUSTER, "type": "STRICT_DNS" if site.dns else "STATIC",
+               "connect_timeout": site.connect_timeout,
+               "typed_extension_protocol_options": {
+                   "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                       "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                       "explicit_http_config": {"http2_protocol_options": {}}}}}
+    if site.dns:
+        c["dns_lookup_family"] = "V4_ONLY"
+    c["load_assignment"] = {"cluster_name": RELAY_CLUSTER, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]}
     return c
 
 
@@ -323,6 +344,10 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
             Note("Everything kvroute does not steer (GET /v1/models, /health, or kvroute not loaded)."),
             {"match": {"prefix": "/"}, "route": route({"cluster": fallback})},
         ]
+    if plugin is not None and site.relay:
+        clusters.append(Note("kvroute-relay (precise mode): the engines' own KV cache events, re-keyed to\n"
+                             "kvroute's block hashes, as one gRPC stream per Envoy process (HTTP/2)."))
+        clusters.append(relay_cluster(site))
     filters = ([] if plugin is None else [wasm_filter(site, plugin)]) + [ROUTER]
     hcm: dict = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -582,9 +607,18 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
     baseline = _bench_sample()[1]
     baseline.header = [line.format("Envoy lb_policy baselines (here ROUND_ROBIN)") for line in bench_head]
     demo_plugin = {"workers": plugin_workers(demo_fleet()), **DEMO_OPTIONS}
+    precise = Site(relay=("127.0.0.1", 7000), header=head + [
+        "kvroute demo stack in precise mode (`make run PRECISE=1`): envoy/demo.yaml plus the",
+        "`kvroute-relay` cluster. The mock workers publish vLLM-format KV cache events on",
+        "tcp://127.0.0.1:5557-5560 (decode) and :5561-5562 (prefill), replay on :5657-5662;",
+        "kvroute-relay subscribes to them and serves them on 127.0.0.1:7000 (metrics :7001); the",
+        "filter holds one gRPC stream to it per Envoy process and routes on what the engines",
+        "report holding. Without the relay it routes on its own predictions, as envoy/demo.yaml."])
+    precise_plugin = {**demo_plugin, "precise": {"cluster": RELAY_CLUSTER}}
     compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS}
     return {
         "envoy/demo.yaml": (demo, demo_fleet(), demo_plugin),
+        "envoy/demo-precise.yaml": (precise, demo_fleet(), precise_plugin),
         "examples/docker-compose/envoy.yaml": (compose, compose_fleet(), compose_plugin),
         "bench/envoy/kvroute.yaml": (bench, bench_fleet, bench_plugin(bench_fleet, 16)),
         "bench/envoy/baseline.yaml": (baseline, bench_fleet, None),

@@ -24,6 +24,7 @@ import envoyconf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
+RELAY = os.path.join(ROOT, "target", "release", "kvroute-relay")
 WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
 
@@ -69,6 +70,9 @@ class Worker:
     args: list = field(default_factory=list)
     # For a prefill worker: the decode endpoints it may hand off to (Stack fills in its pool).
     allowed_decode: list = field(default_factory=list)
+    # Precise mode: publish vLLM-format KV events on these ports (PUB, replay ROUTER).
+    kv_events: int = 0
+    kv_replay: int = 0
 
     @property
     def endpoint(self) -> str:
@@ -83,7 +87,11 @@ class Worker:
             cmd.append("--enable-prompt-tokens-details")
         if self.allowed_decode:
             cmd += ["--allowed-decode-endpoints", ",".join(self.allowed_decode)]
-        log = open(os.path.join(log_dir, f"{self.name}.log"), "wb")
+        if self.kv_events:
+            cmd += ["--kv-events", f"tcp://127.0.0.1:{self.kv_events}"]
+            if self.kv_replay:
+                cmd += ["--kv-events-replay", f"tcp://127.0.0.1:{self.kv_replay}"]
+        log = open(os.path.join(log_dir, f"{self.name}.log"), "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
@@ -174,13 +182,68 @@ class RawWorker(Worker):
             c.close()
 
 
+class Relay:
+    """kvroute-relay subscribed to the KV events of `workers` (each with `kv_events` set)."""
+
+    def __init__(self, workers: list[Worker], model: str = "mock-model", port: int = 0, metrics_port: int = 0,
+                 block_size: int = 16):
+        self.workers = workers
+        self.model = model
+        self.port = port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.block_size = block_size
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        cmd = [RELAY, "--model", self.model, "--block-size", str(self.block_size),
+               "--listen", f"127.0.0.1:{self.port}", "--metrics", f"127.0.0.1:{self.metrics_port}"]
+        for w in self.workers:
+            spec = f"{w.name}=tcp://127.0.0.1:{w.kv_events}"
+            if w.kv_replay:
+                spec += f",replay=tcp://127.0.0.1:{w.kv_replay}"
+            cmd += ["--engine", spec]
+        return cmd
+
+    def start(self, log_dir: str) -> None:
+        log = open(os.path.join(log_dir, "relay.log"), "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        wait_port(self.port, proc=self.proc)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        _, _, body = request(self.metrics_port, "GET", "/metrics")
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#") and " " in line:
+                k, v = line.rsplit(" ", 1)
+                try:
+                    out[k] = float(v)
+                except ValueError:
+                    pass
+        return out
+
+
+def with_kv_events(workers: list[Worker]) -> list[Worker]:
+    """Gives every worker free KV event ports (precise mode)."""
+    for w in workers:
+        w.kv_events = w.kv_events or free_port()
+        w.kv_replay = w.kv_replay or free_port()
+    return workers
+
+
 class Stack:
-    """Mock workers and an Envoy in front of them, on free loopback ports."""
+    """Mock workers and an Envoy in front of them, on free loopback ports. With `relay`
+    (precise mode) kvroute-relay runs between the workers' KV events and Envoy."""
 
     def __init__(self, workers: list[Worker], kvroute: dict | None = None, policy: str = "ROUND_ROBIN",
                  speedup: float = 20.0, concurrency: int = 2, listen: int = 0, admin: int = 0,
-                 site: dict | None = None):
-        self.workers = workers
+                 site: dict | None = None, relay: bool = False):
+        self.workers = with_kv_events(workers) if relay else workers
+        self.relay = Relay(self.workers) if relay else None
         self.site = site
         self.kvroute_overrides = kvroute
         self.policy = policy
@@ -203,12 +266,18 @@ class Stack:
             w.start(self.speedup, self.dir)
         for w in self.workers:
             wait_port(w.port, proc=w.proc)
+        if self.relay:
+            self.relay.start(self.dir)
         return self.start_envoy()
 
     def start_envoy(self, extra_args: tuple = ()) -> "Stack":
         """Only Envoy, in front of workers that are already running."""
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
-        cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, self.site)
+        site = self.site
+        if self.relay and self.kvroute is not None:
+            self.kvroute.setdefault("precise", {}).setdefault("cluster", envoyconf.RELAY_CLUSTER)
+            site = {**(site or {}), "relay": ("127.0.0.1", self.relay.port)}
+        cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, site)
         path = os.path.join(self.dir, "envoy.json")
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
@@ -254,6 +323,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 self.envoy.kill()
                 self.envoy.wait()
+        if self.relay and workers:
+            self.relay.stop()
         for w in self.workers if workers else []:
             w.stop()
 

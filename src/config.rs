@@ -388,7 +388,7 @@ impl Default for PreciseConfig {
     fn default() -> Self {
         Self {
             cluster: String::new(),
-            speculative_ms: 2_000,
+            speculative_ms: 1_000,
             retry_min_ms: 250,
             retry_max_ms: 8_000,
         }
@@ -747,7 +747,7 @@ mod tests {
         let c = parse(r#"{"workers":[{"name":"a"}],"precise":{"cluster":"relay"}}"#).unwrap();
         assert_eq!(
             (c.precise.cluster.as_str(), c.precise.speculative_ms),
-            ("relay", 2000)
+            ("relay", 1000)
         );
         for (json, field) in [
             (r#"{"cluster":"a b"}"#, "precise.cluster"),

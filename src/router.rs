@@ -493,10 +493,14 @@ impl Router {
             Event::Confirmed { id } => {
                 self.flush();
                 if self.speculative.get(*id).is_some_and(|p| self.fed(p)) {
-                    // The engine's own events will say what it cached; until they arrive
-                    // (milliseconds) the pick still counts, then it must not linger.
-                    let until = now_ms.saturating_add(self.cfg.precise.speculative_ms);
-                    self.confirmed.push_back((until, *id));
+                    // The engine's own events say what it cached. The pick counts until they
+                    // have arrived (usually already: the engine reports blocks when it
+                    // computes them, before the first token), and never beyond
+                    // `precise.speculative_ms`: a lingering pick would hide evictions.
+                    if !self.engine_reported(*id, now_ms) {
+                        let until = now_ms.saturating_add(self.cfg.precise.speculative_ms);
+                        self.confirmed.push_back((until, *id));
+                    }
                 } else if let Some(p) = self.speculative.take(*id) {
                     self.record_prefix(p.worker, p.prefill, &p.hashes, p.at_ms);
                 }
@@ -520,8 +524,14 @@ impl Router {
             Event::Forget { worker, hashes } | Event::EngineRemoved { worker, hashes } => {
                 self.index.truncate(*worker, hashes, 0)
             }
-            Event::EngineStored { worker, hashes } => self.index.insert(*worker, hashes, now_ms),
-            Event::EngineCleared { worker } => self.index.clear(*worker),
+            Event::EngineStored { worker, hashes } => {
+                self.index.insert(*worker, hashes, now_ms);
+                self.settle_confirmed(*worker, now_ms, false);
+            }
+            Event::EngineCleared { worker } => {
+                self.index.clear(*worker);
+                self.settle_confirmed(*worker, now_ms, true);
+            }
             Event::EngineFeed { worker, on } => {
                 let w = usize::from(*worker);
                 if w < self.cfg.workers.len() {
@@ -530,6 +540,18 @@ impl Router {
                     }
                     if let Some(f) = self.engine_fed.get_mut(w) {
                         *f = *on;
+                    }
+                    // Fed, the engine's removals bound what the index holds; an LRU of the
+                    // index's own would drop blocks the engine still has (its KV also holds
+                    // running requests' blocks, which the index does not count).
+                    if let Some(cfg) = self.cfg.workers.get(w) {
+                        let kv = self.cfg.kv_blocks(cfg);
+                        let cap = if *on {
+                            kv.saturating_mul(2).saturating_add(1024)
+                        } else {
+                            kv
+                        };
+                        self.index.set_capacity(*worker, cap);
                     }
                 }
             }
@@ -547,6 +569,50 @@ impl Router {
             .get(usize::from(w))
             .copied()
             .unwrap_or(false)
+    }
+
+    /// Drops a confirmed pick once the index (the engine's reports) holds its whole prompt
+    /// on every worker it went to; true when dropped.
+    fn engine_reported(&mut self, id: RequestId, now_ms: u64) -> bool {
+        let Some(p) = self.speculative.get(id) else {
+            return true;
+        };
+        let mut held = [0u32; crate::ids::MAX_WORKERS];
+        self.index.lookup(&p.hashes, now_ms, &mut held);
+        let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
+        let done = core::iter::once(p.worker)
+            .chain(p.prefill)
+            .all(|w| held.get(usize::from(w)).is_some_and(|&n| n >= full));
+        if done {
+            self.speculative.take(id);
+        }
+        done
+    }
+
+    /// After engine events for `worker`: confirmed picks on it that the engine has now
+    /// reported leave; after a reset (`cleared`) all of them do, whatever they expected.
+    fn settle_confirmed(&mut self, worker: WorkerId, now_ms: u64, cleared: bool) {
+        if self.confirmed.is_empty() {
+            return;
+        }
+        let queue = core::mem::take(&mut self.confirmed);
+        for (until, id) in queue {
+            let on_worker = self
+                .speculative
+                .get(id)
+                .is_some_and(|p| p.worker == worker || p.prefill == Some(worker));
+            let gone = if !on_worker {
+                self.speculative.get(id).is_none()
+            } else if cleared {
+                self.speculative.take(id);
+                true
+            } else {
+                self.engine_reported(id, now_ms)
+            };
+            if !gone {
+                self.confirmed.push_back((until, id));
+            }
+        }
     }
 
     /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.

@@ -143,6 +143,7 @@ fn every_shipped_plugin_configuration_loads() {
     // The files that must carry a kvroute configuration (a lost one would pass silently).
     for must in [
         "envoy/demo.yaml",
+        "envoy/demo-precise.yaml",
         "examples/docker-compose/envoy.yaml",
         "bench/envoy/kvroute.yaml",
         "deploy/istio/wasmplugin.yaml",
