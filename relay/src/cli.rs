@@ -23,6 +23,9 @@ OPTIONS:
   --block-size N         Tokens per block; must equal the engines' and the filter's (default 16).
   --listen ADDR          gRPC listen address (default 127.0.0.1:7000).
   --metrics ADDR         HTTP address for GET /metrics and GET /health (default 127.0.0.1:7001).
+  --probe-ms N           Probe every engine's replay socket every N ms (default 50; 0: off):
+                         a restarted engine is announced cleared within about N ms of it
+                         listening again; 3 failed probes in a row mark it stale.
   -h, --help             This help.
 ";
 
@@ -41,6 +44,8 @@ pub struct Config {
     pub block_size: u32,
     pub listen: String,
     pub metrics: String,
+    /// `--probe-ms`.
+    pub probe_ms: u64,
 }
 
 /// `Ok(None)` means --help.
@@ -51,6 +56,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
     let mut block_size = 16u32;
     let mut listen = "127.0.0.1:7000".to_owned();
     let mut metrics = "127.0.0.1:7001".to_owned();
+    let mut probe_ms = 50u64;
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -79,6 +85,14 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
             }
             "--listen" => listen = check_addr("--listen", &value()?)?,
             "--metrics" => metrics = check_addr("--metrics", &value()?)?,
+            "--probe-ms" => {
+                let v = value()?;
+                probe_ms = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n <= 60_000)
+                    .ok_or_else(|| format!("--probe-ms {v:?}: expected 0..=60000"))?;
+            }
             _ => return Err(format!("unknown argument {arg:?} (see --help)")),
         }
     }
@@ -108,6 +122,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         block_size,
         listen,
         metrics,
+        probe_ms,
     }))
 }
 
@@ -209,6 +224,11 @@ mod tests {
         assert_eq!(c.block_size, 32);
         assert_eq!(c.listen, "127.0.0.1:7000");
         assert_eq!(c.metrics, "127.0.0.1:7001");
+        assert_eq!(c.probe_ms, 50);
+        let c = parse(args("--model m --engine w=tcp://h:1 --probe-ms 0"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.probe_ms, 0);
     }
 
     #[test]
@@ -224,6 +244,7 @@ mod tests {
             "--model m --engine w=tcp://h:1 --frob",
             "--model m --engine",
             "--engines-dns h:1",
+            "--model m --engine w=tcp://h:1 --probe-ms x",
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }

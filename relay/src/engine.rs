@@ -10,22 +10,38 @@
 use crate::decode::decode_batch;
 use crate::hub::{add, now_ms, Change, EngineSpec, EngineStats, Hub};
 use crate::index::{Counts, DeltaBuilder};
+use crate::zmtp::Dealer;
 use bytes::Bytes;
-use std::sync::atomic::Ordering::Relaxed;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket};
 
 /// Timing knobs (tests shorten them).
 #[derive(Debug, Clone)]
 pub struct EngineOpts {
     /// Longest a replay may take.
     pub replay_timeout: Duration,
-    /// Without events for this long, check the engine still listens.
+    /// Without events for this long, check the engine's publisher still listens.
     pub probe_after: Duration,
-    /// Without events for this long, open a fresh subscription (and verify the sequence
-    /// through a replay), in case the engine restarted unnoticed.
+    /// Engines without a replay socket (or with probing off): without events for this long,
+    /// open a fresh subscription, in case the engine restarted unnoticed.
     pub refresh_after: Duration,
+    /// Probe period of the replay socket (`--probe-ms`); zero turns probing off.
+    pub probe_interval: Duration,
+    /// A probe without its END marker within this long has failed.
+    pub probe_timeout: Duration,
+    /// This many probes failing in a row: the engine is lost (stale).
+    pub probe_failures: u32,
+    /// A batch the replay socket showed but the subscription has not delivered this long
+    /// after: the subscription is dead, re-subscribe.
+    pub behind_grace: Duration,
+    /// Test hook: when set, the engine task panics (and clears it) at its next wake-up.
+    #[doc(hidden)]
+    pub inject_panic: Option<Arc<AtomicBool>>,
 }
 
 impl Default for EngineOpts {
@@ -34,6 +50,11 @@ impl Default for EngineOpts {
             replay_timeout: Duration::from_secs(2),
             probe_after: Duration::from_secs(5),
             refresh_after: Duration::from_secs(30),
+            probe_interval: Duration::from_millis(50),
+            probe_timeout: Duration::from_millis(500),
+            probe_failures: 3,
+            behind_grace: Duration::from_secs(1),
+            inject_panic: None,
         }
     }
 }
@@ -42,8 +63,12 @@ impl Default for EngineOpts {
 struct Seq {
     /// Last applied seq.
     last: Option<u64>,
+    /// xxh3 of the payload of batch `last`.
+    hash: u64,
     /// Messages at or above this seq but not above `last` are duplicates of a replay.
     dup_floor: u64,
+    /// Bumped whenever the index is cleared: a probe started before is moot.
+    generation: u64,
 }
 
 struct Engine {
@@ -58,7 +83,8 @@ struct Engine {
     decode_errors_logged: u64,
 }
 
-/// Runs an engine's subscription forever.
+/// Runs an engine's subscription forever (in the calling task: a panic ends it; see
+/// [`supervise`]).
 pub async fn run(hub: Arc<Hub>, spec: EngineSpec, opts: EngineOpts) {
     let (worker, stats) = hub.add_engine(&spec);
     let mut e = Engine {
@@ -70,7 +96,9 @@ pub async fn run(hub: Arc<Hub>, spec: EngineSpec, opts: EngineOpts) {
         opts,
         seq: Seq {
             last: None,
+            hash: 0,
             dup_floor: u64::MAX,
+            generation: 0,
         },
         logged_size_mismatch: false,
         decode_errors_logged: 0,
@@ -78,12 +106,70 @@ pub async fn run(hub: Arc<Hub>, spec: EngineSpec, opts: EngineOpts) {
     e.run().await;
 }
 
-fn split_frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
+/// Runs [`run`] in its own task and restarts it when it panics (zeromq 0.4 has `todo!()`s on
+/// some socket errors): the panic is logged and counted, the worker announced stale and
+/// cleared, and the task restarted after a backoff (100 ms doubling to 10 s, back to 100 ms
+/// after a minute without panics). Only effective where panics unwind: a binary built with
+/// `panic = "abort"` (the workspace's release profile) dies instead; build the relay with
+/// `--profile relay`.
+pub async fn supervise(hub: Arc<Hub>, spec: EngineSpec, opts: EngineOpts) {
+    let (worker, stats) = hub.add_engine(&spec);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let started = Instant::now();
+        let task = tokio::spawn(run(hub.clone(), spec.clone(), opts.clone()));
+        let why = match task.await {
+            Ok(()) => "ended".to_owned(),
+            Err(e) if e.is_panic() => {
+                add(&stats.task_panics, 1);
+                let p = e.into_panic();
+                let msg = p
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".to_owned());
+                format!("panicked ({msg})")
+            }
+            Err(_) => return, // cancelled: the runtime is shutting down
+        };
+        if started.elapsed() >= Duration::from_secs(60) {
+            backoff = Duration::from_millis(100);
+        }
+        eprintln!(
+            "kvroute-relay: engine {}: task {why}; marked stale and cleared, restarting in {} ms",
+            spec.name,
+            backoff.as_millis()
+        );
+        stats.connected.store(false, Relaxed);
+        {
+            let mut st = hub.lock();
+            st.set_stale(worker, true);
+            clear_worker(&mut st, worker);
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+fn clear_worker(st: &mut crate::hub::State, worker: usize) {
+    let mut d = DeltaBuilder::default();
+    if let Some(w) = st.workers.get_mut(worker) {
+        w.index.clear(&mut d);
+    }
+    let delta = d.finish();
+    st.publish(vec![Change { worker, delta }]);
+}
+
+fn split_frames(msg: zeromq::ZmqMessage) -> Option<(u64, Bytes)> {
     let mut v = msg.into_vec();
     let payload = v.pop()?;
     let seq = v.pop()?;
     let seq: [u8; 8] = seq.as_ref().try_into().ok()?;
     Some((u64::from_be_bytes(seq), payload))
+}
+
+fn payload_hash(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
 }
 
 /// Asks an engine's replay socket for every batch from `from` on.
@@ -93,33 +179,54 @@ pub async fn replay(
     timeout: Duration,
 ) -> Result<Vec<(u64, Bytes)>, String> {
     let work = async {
-        let mut d = DealerSocket::new();
-        d.connect(endpoint).await.map_err(|e| e.to_string())?;
-        let mut m = ZmqMessage::from(Bytes::new());
-        m.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-        d.send(m).await.map_err(|e| e.to_string())?;
-        let mut out = Vec::new();
-        loop {
-            let msg = d.recv().await.map_err(|e| e.to_string())?;
-            let (seq, payload) = split_frames(msg).ok_or("malformed replay frame")?;
-            if seq == u64::MAX {
-                break;
-            }
-            out.push((seq, payload));
-        }
-        Ok::<_, String>(out)
+        let mut d = Dealer::connect(endpoint).await?;
+        d.replay(from).await
     };
     match tokio::time::timeout(timeout, work).await {
-        Ok(r) => r,
+        Ok(r) => r.map_err(|e| e.to_string()),
         Err(_) => Err(format!("no end of replay within {timeout:?}")),
     }
 }
 
+/// What a replay from the last applied batch says about the engine.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The engine still buffers our last batch, unchanged: same process. `newest` is the
+    /// highest seq it answered.
+    Same { newest: Option<u64> },
+    /// Our last batch is gone or different. `restart`: the engine's sequence is below it or
+    /// differs at it (a new process); otherwise its buffer no longer reaches back to it.
+    Changed { restart: bool, why: String },
+}
+
+/// Judges a replay from `last.0` against the last applied batch `(seq, payload hash)`.
+pub fn judge(last: Option<(u64, u64)>, frames: &[(u64, Bytes)]) -> Verdict {
+    let newest = frames.iter().map(|f| f.0).max();
+    let Some((seq, hash)) = last else {
+        return Verdict::Same { newest };
+    };
+    match frames.iter().find(|f| f.0 == seq) {
+        Some((_, p)) if payload_hash(p) == hash => Verdict::Same { newest },
+        Some(_) => Verdict::Changed {
+            restart: true,
+            why: format!("its batch {seq} differs from the one applied"),
+        },
+        None if newest.is_none_or(|n| n < seq) => Verdict::Changed {
+            restart: true,
+            why: format!("its sequence ends before batch {seq}"),
+        },
+        None => Verdict::Changed {
+            restart: false,
+            why: format!("its replay buffer no longer holds batch {seq}"),
+        },
+    }
+}
+
 /// Whether something accepts TCP connections at a `tcp://host:port` endpoint.
-async fn probe(endpoint: &str) -> bool {
+async fn reachable(endpoint: &str, timeout: Duration) -> bool {
     let addr = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
     matches!(
-        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr)).await,
+        tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr)).await,
         Ok(Ok(_))
     )
 }
@@ -127,14 +234,101 @@ async fn probe(endpoint: &str) -> bool {
 enum Exit {
     /// The engine stopped listening.
     Lost,
-    /// Idle for long: re-subscribe.
+    /// Re-subscribe (idle for long, a restart, or a subscription that stopped delivering).
     Refresh,
 }
 
+/// A probe's result, with the connection to reuse and the state it was judged against.
+struct ProbeDone {
+    conn: Option<Dealer>,
+    generation: u64,
+    last: Option<(u64, u64)>,
+    result: Result<Vec<(u64, Bytes)>, String>,
+}
+
+type ProbeFuture = Pin<Box<dyn Future<Output = ProbeDone> + Send>>;
+
+fn start_probe(
+    conn: Option<Dealer>,
+    endpoint: String,
+    generation: u64,
+    last: Option<(u64, u64)>,
+    timeout: Duration,
+) -> ProbeFuture {
+    Box::pin(async move {
+        let from = last.map_or(0, |l| l.0);
+        let work = async {
+            let mut d = match conn {
+                Some(d) => d,
+                None => Dealer::connect(&endpoint).await?,
+            };
+            let frames = d.replay(from).await?;
+            Ok::<_, std::io::Error>((d, frames))
+        };
+        let (conn, result) = match tokio::time::timeout(timeout, work).await {
+            Ok(Ok((d, frames))) => (Some(d), Ok(frames)),
+            Ok(Err(e)) => (None, Err(e.to_string())),
+            Err(_) => (None, Err(format!("no answer within {timeout:?}"))),
+        };
+        ProbeDone {
+            conn,
+            generation,
+            last,
+            result,
+        }
+    })
+}
+
 impl Engine {
+    fn probing(&self) -> bool {
+        self.spec.replay.is_some() && !self.opts.probe_interval.is_zero()
+    }
+
+    fn check_injected_panic(&self) {
+        if let Some(flag) = &self.opts.inject_panic {
+            if flag.swap(false, SeqCst) {
+                panic!("injected panic (test hook)");
+            }
+        }
+    }
+
+    /// Waits until the publisher (and the replay socket, if any) accept connections: the
+    /// zeromq crate's `connect` backs off for seconds on a refused connection.
+    async fn wait_reachable(&self) {
+        let every = if self.probing() {
+            self.opts.probe_interval
+        } else {
+            Duration::from_secs(1)
+        };
+        let timeout = self.opts.probe_timeout.max(Duration::from_millis(100));
+        let mut logged = false;
+        loop {
+            self.check_injected_panic();
+            let up = reachable(&self.spec.endpoint, timeout).await
+                && match &self.spec.replay {
+                    Some(r) => reachable(r, timeout).await,
+                    None => true,
+                };
+            if up {
+                return;
+            }
+            if !logged {
+                logged = true;
+                eprintln!(
+                    "kvroute-relay: engine {}: not reachable at {}; retrying every {} ms",
+                    self.name,
+                    self.spec.endpoint,
+                    every.as_millis()
+                );
+            }
+            tokio::time::sleep(every).await;
+        }
+    }
+
     async fn run(&mut self) {
         let mut reconnecting = false;
         loop {
+            self.wait_reachable().await;
             let mut sub = SubSocket::new();
             let mut monitor = sub.monitor();
             if !reconnecting {
@@ -143,13 +337,18 @@ impl Engine {
                     self.name, self.spec.endpoint
                 );
             }
-            if let Err(e) = sub.connect(&self.spec.endpoint).await {
-                eprintln!(
-                    "kvroute-relay: engine {}: cannot connect to {}: {e}; retrying in 1 s",
-                    self.name, self.spec.endpoint
-                );
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+            let connect_timeout = Duration::from_secs(2);
+            match tokio::time::timeout(connect_timeout, sub.connect(&self.spec.endpoint)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    eprintln!(
+                        "kvroute-relay: engine {}: cannot connect to {}: {e}; retrying in 1 s",
+                        self.name, self.spec.endpoint
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+                Err(_) => continue, // it went away again
             }
             if let Err(e) = sub.subscribe("").await {
                 eprintln!("kvroute-relay: engine {}: subscribe failed: {e}", self.name);
@@ -170,8 +369,8 @@ impl Engine {
             match exit {
                 Exit::Lost => {
                     eprintln!(
-                        "kvroute-relay: engine {}: lost (nothing listens on {}); marked stale, reconnecting",
-                        self.name, self.spec.endpoint
+                        "kvroute-relay: engine {}: lost; marked stale, reconnecting",
+                        self.name
                     );
                     self.stats.connected.store(false, Relaxed);
                     self.hub.lock().set_stale(self.worker, true);
@@ -185,27 +384,19 @@ impl Engine {
     /// After (re)connecting: learn what we missed through the replay socket.
     async fn resync_after_connect(&mut self) {
         match self.seq.last {
-            None => {
-                // First contact: the replay buffer's batches are a suffix of the engine's
-                // history, safe to apply onto an empty index.
-                let frames = self.try_replay(0).await.unwrap_or_default();
-                self.seq.dup_floor = frames.first().map_or(u64::MAX, |f| f.0);
-                self.apply_frames(frames, None);
-            }
+            None => self.replay_from_start().await,
             Some(last) => match self.try_replay(last).await {
-                Some(frames) if frames.first().map(|f| f.0) == Some(last) => {
-                    // Same engine process (it still buffers our last batch).
-                    self.seq.dup_floor = last;
-                    self.apply_frames(frames, Some(last));
-                }
-                Some(frames) => {
-                    // Restarted, or too much happened while we were away.
-                    self.note_unrepaired("cannot verify the sequence after reconnecting");
-                    self.clear();
-                    self.seq.last = None;
-                    self.seq.dup_floor = frames.first().map_or(u64::MAX, |f| f.0);
-                    self.apply_frames(frames, None);
-                }
+                Some(frames) => match judge(Some((last, self.seq.hash)), &frames) {
+                    Verdict::Same { .. } => {
+                        // Same engine process (it still buffers our last batch).
+                        self.seq.dup_floor = last;
+                        self.apply_frames(frames, Some(last));
+                    }
+                    Verdict::Changed { restart, why } => {
+                        self.changed(restart, &why);
+                        self.replay_from_start().await;
+                    }
+                },
                 None => {
                     self.note_unrepaired("no replay to verify the sequence after reconnecting");
                     self.clear();
@@ -214,6 +405,30 @@ impl Engine {
             },
         }
         self.hub.lock().set_stale(self.worker, false);
+    }
+
+    /// First contact (or after a clear): the replay buffer's batches are a suffix of the
+    /// engine's history, safe to apply onto an empty index.
+    async fn replay_from_start(&mut self) {
+        let frames = self.try_replay(0).await.unwrap_or_default();
+        self.seq.dup_floor = frames.first().map_or(u64::MAX, |f| f.0);
+        self.apply_frames(frames, None);
+    }
+
+    /// Our last batch is gone from the engine: announce cleared, forget the sequence.
+    fn changed(&mut self, restart: bool, why: &str) {
+        if restart {
+            add(&self.stats.restarts, 1);
+            eprintln!(
+                "kvroute-relay: engine {}: restarted ({why}); announcing cleared",
+                self.name
+            );
+        } else {
+            self.note_unrepaired(&format!("cannot verify the sequence: {why}"));
+        }
+        self.clear();
+        self.seq.last = None;
+        self.seq.dup_floor = u64::MAX;
     }
 
     async fn try_replay(&self, from: u64) -> Option<Vec<(u64, Bytes)>> {
@@ -254,59 +469,139 @@ impl Engine {
     }
 
     fn clear(&mut self) {
-        let mut st = self.hub.lock();
-        let mut d = DeltaBuilder::default();
-        if let Some(w) = st.workers.get_mut(self.worker) {
-            w.index.clear(&mut d);
-        }
-        let delta = d.finish();
-        st.publish(vec![Change {
-            worker: self.worker,
-            delta,
-        }]);
+        self.seq.generation += 1;
+        clear_worker(&mut self.hub.lock(), self.worker);
     }
 
+    /// Receives live batches; with a replay socket, probes it every `probe_interval` (one
+    /// probe outstanding at a time, on a kept connection).
     async fn receive(&mut self, sub: &mut SubSocket) -> Exit {
+        let probing = self.probing();
+        let replay_ep = self.spec.replay.clone().unwrap_or_default();
+        let mut conn: Option<Dealer> = None;
+        let mut inflight: Option<ProbeFuture> = None;
+        let mut next_probe = Instant::now();
+        let mut failures = 0u32;
+        // (a seq the replay socket showed, when): the subscription must deliver it.
+        let mut behind: Option<(u64, Instant)> = None;
         let mut last_rx = Instant::now();
-        let mut last_probe = Instant::now();
+        let mut last_tcp_probe = Instant::now();
         let mut last_idle_log: Option<Instant> = None;
+        let mut slow_tick = Instant::now() + Duration::from_secs(1);
         loop {
-            match tokio::time::timeout(Duration::from_secs(1), sub.recv()).await {
-                Ok(Ok(msg)) => {
-                    last_rx = Instant::now();
-                    match split_frames(msg) {
-                        Some((seq, payload)) => self.on_message(seq, payload).await,
-                        None => {
-                            add(&self.stats.decode_errors, 1);
+            self.check_injected_panic();
+            if probing && inflight.is_none() && Instant::now() >= next_probe {
+                let last = self.seq.last.map(|l| (l, self.seq.hash));
+                inflight = Some(start_probe(
+                    conn.take(),
+                    replay_ep.clone(),
+                    self.seq.generation,
+                    last,
+                    self.opts.probe_timeout,
+                ));
+            }
+            let wake = if probing && inflight.is_none() {
+                next_probe.min(slow_tick)
+            } else {
+                slow_tick
+            };
+            let probe = async {
+                match inflight.as_mut() {
+                    Some(f) => f.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = sub.recv() => match r {
+                    Ok(msg) => {
+                        last_rx = Instant::now();
+                        match split_frames(msg) {
+                            Some((seq, payload)) => self.on_message(seq, payload).await,
+                            None => add(&self.stats.decode_errors, 1),
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("kvroute-relay: engine {}: receive failed: {e}", self.name);
+                        return Exit::Lost;
+                    }
+                },
+                done = probe => {
+                    inflight = None;
+                    next_probe = Instant::now() + self.opts.probe_interval;
+                    conn = done.conn;
+                    match done.result {
+                        Err(e) => {
+                            failures += 1;
+                            if failures >= self.opts.probe_failures {
+                                eprintln!(
+                                    "kvroute-relay: engine {}: {failures} probes of {replay_ep} failed (last: {e})",
+                                    self.name
+                                );
+                                return Exit::Lost;
+                            }
+                        }
+                        Ok(frames) => {
+                            failures = 0;
+                            if done.generation != self.seq.generation {
+                                continue; // judged against a state since cleared
+                            }
+                            match judge(done.last, &frames) {
+                                Verdict::Changed { restart, why } => {
+                                    self.changed(restart, &why);
+                                    return Exit::Refresh;
+                                }
+                                Verdict::Same { newest } => {
+                                    let last = self.seq.last;
+                                    if behind.is_some_and(|(t, _)| last.is_some_and(|l| l >= t)) {
+                                        behind = None;
+                                    }
+                                    if let Some(n) = newest {
+                                        if behind.is_none() && last.is_none_or(|l| n > l) {
+                                            behind = Some((n, Instant::now()));
+                                        }
+                                    }
+                                    if let Some((t, since)) = behind {
+                                        if since.elapsed() >= self.opts.behind_grace {
+                                            eprintln!(
+                                                "kvroute-relay: engine {}: the subscription did not deliver batch {t} within {} ms; re-subscribing",
+                                                self.name,
+                                                self.opts.behind_grace.as_millis()
+                                            );
+                                            return Exit::Refresh;
+                                        }
+                                    }
+                                }
+                            }
                         }
                     }
                 }
-                Ok(Err(e)) => {
-                    eprintln!("kvroute-relay: engine {}: receive failed: {e}", self.name);
+                _ = tokio::time::sleep_until(wake.into()) => {}
+            }
+            if Instant::now() < slow_tick {
+                continue;
+            }
+            slow_tick = Instant::now() + Duration::from_secs(1);
+            let idle = last_rx.elapsed();
+            if idle >= self.opts.probe_after && last_tcp_probe.elapsed() >= self.opts.probe_after {
+                last_tcp_probe = Instant::now();
+                if !reachable(&self.spec.endpoint, Duration::from_secs(1)).await {
+                    eprintln!(
+                        "kvroute-relay: engine {}: nothing listens on {}",
+                        self.name, self.spec.endpoint
+                    );
                     return Exit::Lost;
                 }
-                Err(_) => {
-                    let idle = last_rx.elapsed();
-                    if idle >= self.opts.probe_after
-                        && last_probe.elapsed() >= self.opts.probe_after
-                    {
-                        last_probe = Instant::now();
-                        if !probe(&self.spec.endpoint).await {
-                            return Exit::Lost;
-                        }
-                        if last_idle_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                            last_idle_log = Some(Instant::now());
-                            eprintln!(
-                                "kvroute-relay: engine {}: no events for {} s (still listening)",
-                                self.name,
-                                idle.as_secs()
-                            );
-                        }
-                    }
-                    if idle >= self.opts.refresh_after {
-                        return Exit::Refresh;
-                    }
+                if last_idle_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    last_idle_log = Some(Instant::now());
+                    eprintln!(
+                        "kvroute-relay: engine {}: no events for {} s (still listening)",
+                        self.name,
+                        idle.as_secs()
+                    );
                 }
+            }
+            if !probing && idle >= self.opts.refresh_after {
+                return Exit::Refresh;
             }
         }
     }
@@ -390,6 +685,7 @@ impl Engine {
     /// lost events (announces cleared).
     fn apply_batch(&mut self, seq: u64, payload: &[u8]) {
         self.seq.last = Some(seq);
+        self.seq.hash = payload_hash(payload);
         let s = &self.stats;
         s.last_seq.store(seq, Relaxed);
         s.last_event_ms.store(now_ms(), Relaxed);

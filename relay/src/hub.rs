@@ -29,6 +29,8 @@ pub struct EngineStats {
     pub bad_events: AtomicU64,
     pub unknown_events: AtomicU64,
     pub decode_errors: AtomicU64,
+    /// Panics of the engine task (restarted by `engine::supervise`).
+    pub task_panics: AtomicU64,
     pub last_seq: AtomicU64,
     /// Unix ms of the last batch received, 0 before the first.
     pub last_event_ms: AtomicU64,

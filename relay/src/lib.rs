@@ -10,3 +10,4 @@ pub mod index;
 pub mod metrics;
 pub mod msgpack;
 pub mod vllm;
+pub mod zmtp;

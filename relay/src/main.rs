@@ -45,18 +45,27 @@ async fn run(cfg: Config) -> Result<(), String> {
         "kvroute-relay: gRPC on {}, metrics on http://{}/metrics, block size {}, epoch {:016x}",
         cfg.listen, cfg.metrics, cfg.block_size, hub.epoch
     );
+    if cfg!(panic = "abort") {
+        eprintln!(
+            "kvroute-relay: built with panic = \"abort\": a panic in an engine's task (the zeromq crate has todo!()s on some socket errors) ends the relay; build with `cargo build --profile relay -p kvroute-relay` (target/relay/kvroute-relay) to restart the task instead"
+        );
+    }
+    let opts = EngineOpts {
+        probe_interval: Duration::from_millis(cfg.probe_ms),
+        ..EngineOpts::default()
+    };
     for spec in cfg.engines.clone() {
-        tokio::spawn(engine::run(hub.clone(), spec, EngineOpts::default()));
+        tokio::spawn(engine::supervise(hub.clone(), spec, opts.clone()));
     }
     if let Some(dns) = cfg.dns.clone() {
-        tokio::spawn(discover(hub.clone(), dns, cfg.model.clone()));
+        tokio::spawn(discover(hub.clone(), dns, cfg.model.clone(), opts));
     }
     tokio::spawn(kvroute_relay::metrics::serve(hub.clone(), http));
     kvroute_relay::grpc::serve(hub, grpc).await
 }
 
 /// Resolves `--engines-dns` every 10 s; each new address becomes an engine.
-async fn discover(hub: Arc<Hub>, dns: Dns, model: String) {
+async fn discover(hub: Arc<Hub>, dns: Dns, model: String, opts: EngineOpts) {
     let mut known = HashSet::new();
     let mut logged_error = false;
     loop {
@@ -81,7 +90,7 @@ async fn discover(hub: Arc<Hub>, dns: Dns, model: String) {
                             "kvroute-relay: discovered engine {} via {}",
                             spec.name, dns.host
                         );
-                        tokio::spawn(engine::run(hub.clone(), spec, EngineOpts::default()));
+                        tokio::spawn(engine::supervise(hub.clone(), spec, opts.clone()));
                     }
                 }
             }

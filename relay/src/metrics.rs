@@ -87,6 +87,11 @@ pub fn render_metrics(hub: &Hub) -> String {
             "gauge",
             "Seconds since the engine's last batch (-1 before the first)",
         ),
+        (
+            "kvroute_relay_engine_task_panics_total",
+            "counter",
+            "Panics of the engine's task (worker announced stale and cleared, task restarted)",
+        ),
     ];
     for (i, (name, kind, help)) in per_engine.iter().enumerate() {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -107,10 +112,11 @@ pub fn render_metrics(hub: &Hub) -> String {
                 11 => s.unknown_events.load(Relaxed) as f64,
                 12 => s.decode_errors.load(Relaxed) as f64,
                 13 => w.index.blocks.len() as f64,
-                _ => match s.last_event_ms.load(Relaxed) {
+                14 => match s.last_event_ms.load(Relaxed) {
                     0 => -1.0,
                     t => now.saturating_sub(t) as f64 / 1000.0,
                 },
+                _ => s.task_panics.load(Relaxed) as f64,
             };
             let _ = writeln!(o, "{name}{{worker=\"{}\"}} {v}", esc(&w.name));
         }

@@ -187,6 +187,7 @@ fn opts() -> EngineOpts {
         replay_timeout: Duration::from_secs(2),
         probe_after: Duration::from_secs(5),
         refresh_after: Duration::from_secs(3600),
+        ..EngineOpts::default()
     }
 }
 
