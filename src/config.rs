@@ -33,6 +33,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub metrics: MetricsConfig,
     pub precise: PreciseConfig,
+    pub tokenize: TokenizeConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -57,6 +58,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             metrics: MetricsConfig::default(),
             precise: PreciseConfig::default(),
+            tokenize: TokenizeConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -395,6 +397,33 @@ impl Default for PreciseConfig {
     }
 }
 
+/// Exact token ids for text and chat prompts from an engine's tokenizer (`POST /tokenize`)
+/// before routing: needed for the engines' KV events (precise mode) to match text prompts.
+/// Costs one call per request; a call not answered in time routes on the text as usual.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizeConfig {
+    /// Envoy cluster of engines that tokenize exactly as the workers do (the workers' own
+    /// pool, or any one of them). Empty: off.
+    pub cluster: String,
+    pub path: String,
+    /// Waiting longer routes on the text (counted); the request is never failed for it.
+    pub timeout_ms: u64,
+    /// A longer answer is not read (routed on the text).
+    pub max_bytes: u32,
+}
+
+impl Default for TokenizeConfig {
+    fn default() -> Self {
+        Self {
+            cluster: String::new(),
+            path: "/tokenize".into(),
+            timeout_ms: 100,
+            max_bytes: 8 << 20,
+        }
+    }
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -589,6 +618,19 @@ impl Config {
         if m.max_bytes == 0 {
             return Err(err("metrics.max_bytes", "must be at least 1"));
         }
+        let t = &self.tokenize;
+        if !t.cluster.is_empty() && !is_header_value(&t.cluster) {
+            return Err(err("tokenize.cluster", "must be an Envoy cluster name"));
+        }
+        if !t.path.starts_with('/') || !is_header_value(&t.path) {
+            return Err(err("tokenize.path", "must be a path starting with '/'"));
+        }
+        if t.timeout_ms == 0 || t.timeout_ms > 10_000 {
+            return Err(err("tokenize.timeout_ms", "must be between 1 and 10000"));
+        }
+        if t.max_bytes == 0 {
+            return Err(err("tokenize.max_bytes", "must be at least 1"));
+        }
         let p = &self.precise;
         if !p.cluster.is_empty() && !is_header_value(&p.cluster) {
             return Err(err("precise.cluster", "must be an Envoy cluster name"));
@@ -762,5 +804,26 @@ mod tests {
             assert_eq!(e.field, field, "{json}");
         }
         assert!(parse(r#"{"workers":[{"name":"a"}],"precise":{"clustr":"x"}}"#).is_err());
+    }
+
+    #[test]
+    fn tokenize_section() {
+        let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
+        assert_eq!(
+            (c.tokenize.cluster.as_str(), c.tokenize.timeout_ms),
+            ("", 100)
+        );
+        for (json, field) in [
+            (r#"{"cluster":"a b"}"#, "tokenize.cluster"),
+            (r#"{"path":"tokenize"}"#, "tokenize.path"),
+            (r#"{"timeout_ms":0}"#, "tokenize.timeout_ms"),
+            (r#"{"max_bytes":0}"#, "tokenize.max_bytes"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"workers":[{{"name":"a"}}],"tokenize":{json}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+        }
     }
 }

@@ -170,6 +170,22 @@ pub fn prompt_hashes_limited(
     }
 }
 
+/// `prompt_hashes` of a request whose text prompt the engine tokenized into `tokens`: the
+/// blocks of those ids, exact (as if the request had sent them).
+pub fn token_prompt_hashes(
+    req: &InferenceRequest<'_>,
+    tokens: &[u32],
+    p: &HashParams,
+    max_blocks: usize,
+) -> PromptHashes {
+    let seed = seed(&req.model, req.cache_salt.as_deref());
+    PromptHashes {
+        blocks: token_blocks(tokens, p.tokens_per_block(), seed, max_blocks),
+        est_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+        exact: true,
+    }
+}
+
 /// The chain seed of a model and cache salt, as `prompt_hashes` uses it: for kvroute-relay,
 /// which re-keys engine KV events into the filter's hashes.
 pub fn chain_seed(model: &str, salt: Option<&str>) -> u64 {

@@ -19,6 +19,7 @@ pub mod rng;
 pub mod router;
 pub mod select;
 pub mod steer;
+pub mod tokenize;
 
 #[cfg(feature = "filter")]
 mod filter;

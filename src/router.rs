@@ -6,11 +6,11 @@ use crate::calibrate::Calibrator;
 use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
 use crate::feedback::{OrcaLoad, Usage};
-use crate::hashing::{prompt_hashes_limited, HashParams};
+use crate::hashing::{prompt_hashes_limited, token_prompt_hashes, HashParams};
 use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
-use crate::request::{parse, ApiKind, ParseError};
+use crate::request::{parse, ApiKind, ParseError, Prompt};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
 use std::collections::VecDeque;
@@ -218,6 +218,18 @@ impl Router {
 
     /// Parses the body, scores every worker and records the decision (load and index).
     pub fn route(&mut self, kind: ApiKind, body: &[u8], now_ms: u64) -> RouteResult {
+        self.route_tokens(kind, body, None, now_ms)
+    }
+
+    /// `route`, with the engine's token ids for a text prompt (`tokenize`): the prompt then
+    /// hashes exactly. Ignored for a request that sent token ids itself.
+    pub fn route_tokens(
+        &mut self,
+        kind: ApiKind,
+        body: &[u8],
+        tokens: Option<&[u32]>,
+        now_ms: u64,
+    ) -> RouteResult {
         self.flush();
         if body.len() > self.cfg.limits.max_route_bytes as usize {
             return self.route_fallback(Fallback::TooLarge, now_ms);
@@ -229,11 +241,14 @@ impl Router {
         if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
             return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
         }
-        let ph = prompt_hashes_limited(
-            &req,
-            &HashParams::from_config(&self.cfg),
-            self.cfg.limits.max_blocks as usize,
-        );
+        let params = HashParams::from_config(&self.cfg);
+        let max_blocks = self.cfg.limits.max_blocks as usize;
+        let ph = match tokens {
+            Some(t) if !matches!(req.prompt, Prompt::Tokens(_)) => {
+                token_prompt_hashes(&req, t, &params, max_blocks)
+            }
+            _ => prompt_hashes_limited(&req, &params, max_blocks),
+        };
         // The parsed prompt (a batch's every entry) is not needed past hashing.
         let max_tokens = req.max_tokens;
         drop(req);

@@ -26,14 +26,17 @@ pub trait Host {
     fn increment_metric(&self, id: u32, n: i64) -> HostResult<()>;
     fn record_metric(&self, id: u32, v: u64) -> HostResult<()>;
     fn set_tick_period(&self, period: Duration) -> HostResult<()>;
-    /// A GET (no body) to an Envoy cluster; the answer arrives in the root context's
-    /// `on_http_call_response` with the returned token.
+    /// A call to an Envoy cluster; the answer arrives in `on_http_call_response` of the
+    /// context that made it, with the returned token.
     fn http_call(
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout: Duration,
     ) -> HostResult<u32>;
+    /// Lets a request paused in a request callback go on (after an HTTP call's answer).
+    fn resume_request(&self) -> HostResult<()>;
     /// Opens a gRPC stream on an Envoy cluster; its messages and close arrive in the root
     /// context's `on_grpc_stream_message` / `on_grpc_stream_close` with the returned token.
     fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32>;
@@ -93,13 +96,18 @@ impl Host for ProxyHost {
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout: Duration,
     ) -> HostResult<u32> {
         // Through the SDK, unlike the other calls: its dispatcher must learn the token to
         // route the answer to the root context (it has no public way to register one). It
         // panics only on a status Envoy's http_call never returns (Ok, BadArgument for an
         // unknown cluster, InternalFailure).
-        proxy_wasm::hostcalls::dispatch_http_call(cluster, headers.to_vec(), None, vec![], timeout)
+        proxy_wasm::hostcalls::dispatch_http_call(cluster, headers.to_vec(), body, vec![], timeout)
+    }
+
+    fn resume_request(&self) -> HostResult<()> {
+        ffi::resume_request()
     }
 
     fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32> {
@@ -221,9 +229,14 @@ impl Calls {
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout: Duration,
     ) -> Option<u32> {
-        self.ok(self.host.http_call(cluster, headers, timeout))
+        self.ok(self.host.http_call(cluster, headers, body, timeout))
+    }
+
+    pub fn resume_request(&self) {
+        self.ok(self.host.resume_request());
     }
 
     pub fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> Option<u32> {

@@ -21,6 +21,8 @@ pub struct Http {
     st: Option<Rc<RefCell<State>>>,
     kind: Option<ApiKind>,
     routed: bool,
+    /// A tokenize call in flight: its token, the request body it is for, sent at (ns).
+    tokenizing: Option<(u32, Vec<u8>, u64)>,
     decision: Option<Decision>,
     saw_response: bool,
     /// The response status was 2xx (its body confirms the request's index entries).
@@ -43,6 +45,7 @@ impl Http {
             st,
             kind: None,
             routed: false,
+            tokenizing: None,
             decision: None,
             saw_response: false,
             success: false,
@@ -60,7 +63,48 @@ impl Http {
         Some(f(&mut s))
     }
 
-    fn route(&mut self, body: &[u8]) -> Action {
+    /// Routes the request, first asking an engine for its token ids when `tokenize` is on
+    /// and the prompt is text; the request then waits (paused) for the answer.
+    fn route_or_tokenize(&mut self, body: Vec<u8>) -> Action {
+        self.routed = true;
+        let Some(kind) = self.kind else {
+            return Action::Continue;
+        };
+        let call = self
+            .with(|s| {
+                let c = s.router.config();
+                let t = &c.tokenize;
+                let fits = body.len() <= c.limits.max_route_bytes as usize;
+                (!t.cluster.is_empty() && fits)
+                    .then(|| (t.cluster.clone(), t.path.clone(), t.timeout_ms))
+            })
+            .flatten();
+        let Some((cluster, path, timeout_ms)) = call else {
+            return self.route(&body, None);
+        };
+        let Some(req) = crate::tokenize::request_body(kind, &body) else {
+            return self.route(&body, None);
+        };
+        let headers = [
+            (":method", "POST"),
+            (":path", path.as_str()),
+            (":authority", cluster.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let timeout = std::time::Duration::from_millis(timeout_ms);
+        match self.host.http_call(&cluster, &headers, Some(&req), timeout) {
+            Some(token) => {
+                self.tokenizing = Some((token, body, self.host.now_ns()));
+                Action::Pause
+            }
+            None => {
+                self.with(|s| s.metrics.tokenize_failed.inc());
+                self.route(&body, None)
+            }
+        }
+    }
+
+    fn route(&mut self, body: &[u8], tokens: Option<&[u32]>) -> Action {
         self.routed = true;
         let Some(kind) = self.kind else {
             return Action::Continue;
@@ -70,7 +114,7 @@ impl Http {
         let now = t0 / 1_000_000;
         let outcome = self.with(|s| {
             s.start_serving();
-            let res = s.router.route(kind, body, now);
+            let res = s.router.route_tokens(kind, body, tokens, now);
             s.metrics
                 .route_time_us
                 .record(host.now_ns().saturating_sub(t0) / 1000);
@@ -192,6 +236,52 @@ impl Context for Http {
         self.finish();
         true
     }
+
+    /// The tokenize call's answer (or its failure: no headers). Either way the request is
+    /// routed now, on exact token ids when the answer has them.
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some((token, body, sent_ns)) = self.tokenizing.take() else {
+            return;
+        };
+        if token != token_id {
+            self.tokenizing = Some((token, body, sent_ns));
+            return;
+        }
+        let host = &self.host;
+        let max = self
+            .with(|s| s.router.config().tokenize.max_bytes as usize)
+            .unwrap_or(0);
+        let ok = num_headers > 0
+            && host
+                .header(MapType::HttpCallResponseHeaders, ":status")
+                .as_deref()
+                == Some("200")
+            && body_size <= max;
+        let tokens = if ok {
+            host.buffer(BufferType::HttpCallResponseBody, body_size)
+                .and_then(|b| crate::tokenize::parse_tokens(&b))
+        } else {
+            None
+        };
+        let waited_us = host.now_ns().saturating_sub(sent_ns) / 1000;
+        self.with(|s| {
+            s.metrics.tokenize_us.record(waited_us);
+            if tokens.is_some() {
+                s.metrics.tokenize_ok.inc();
+            } else {
+                s.metrics.tokenize_failed.inc();
+            }
+        });
+        if self.route(&body, tokens.as_deref()) == Action::Continue {
+            self.host.resume_request();
+        }
+    }
 }
 
 impl HttpContext for Http {
@@ -221,7 +311,7 @@ impl HttpContext for Http {
             host.set_header(MapType::HttpRequestHeaders, ":path", Some(&p));
         }
         if end_of_stream {
-            return self.route(&[]);
+            return self.route(&[], None);
         }
         // Hold the headers until the body is in (needs allow_on_headers_stop_iteration).
         Action::Pause
@@ -236,7 +326,7 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         let body = self.request_body(body_size);
-        self.route(&body)
+        self.route_or_tokenize(body)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
@@ -244,7 +334,7 @@ impl HttpContext for Http {
             return Action::Continue;
         }
         let body = self.request_body(usize::MAX);
-        self.route(&body)
+        self.route_or_tokenize(body)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

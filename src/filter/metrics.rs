@@ -95,6 +95,11 @@ pub struct Metrics {
     pub precise_unknown_workers: Id,
     /// Relay send to this VM's receipt, from the update's `sent_unix_ns`.
     pub precise_delay_us: Id,
+    /// Tokenize calls answered with token ids, and those that failed or timed out (routed
+    /// on the text); the wait they added.
+    pub tokenize_ok: Id,
+    pub tokenize_failed: Id,
+    pub tokenize_us: Id,
     pub workers: Vec<WorkerMetrics>,
 }
 
@@ -151,6 +156,9 @@ impl Metrics {
             precise_stream_failures: c("kvroute.precise.stream_failures.total"),
             precise_unknown_workers: c("kvroute.precise.unknown_workers.total"),
             precise_delay_us: h("kvroute.precise.event_delay_us"),
+            tokenize_ok: c("kvroute.tokenize.ok.total"),
+            tokenize_failed: c("kvroute.tokenize.failed.total"),
+            tokenize_us: h("kvroute.tokenize_us"),
             workers: worker_names
                 .iter()
                 .map(|w| WorkerMetrics {

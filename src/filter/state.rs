@@ -337,7 +337,7 @@ impl State {
             ];
             match self
                 .host
-                .http_call(&cluster, &headers, Duration::from_millis(timeout_ms))
+                .http_call(&cluster, &headers, None, Duration::from_millis(timeout_ms))
             {
                 Some(token) => self.poller.pending.push((token, w, now_ns)),
                 None => self.scrape_failed(w, "the call could not start (unknown cluster?)"),

@@ -42,6 +42,10 @@ struct Fake {
     /// The answer the current `on_http_call_response` reads.
     call_headers: Vec<(String, Vec<u8>)>,
     call_body: Vec<u8>,
+    /// Bodies of the HTTP calls made, in `calls` order.
+    call_bodies: Vec<Option<Vec<u8>>>,
+    /// Requests resumed after a pause.
+    resumed: u32,
     /// gRPC streams opened: token, cluster, service/method; messages sent; cancelled.
     grpc_opened: Vec<(u32, String, String)>,
     grpc_sent: Vec<(u32, Vec<u8>, bool)>,
@@ -166,11 +170,13 @@ impl Host for FakeHost {
         &self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         _timeout: Duration,
     ) -> HostResult<u32> {
         self.fails("http_call")?;
         let mut f = self.0.borrow_mut();
         let token = 100 + f.calls.len() as u32;
+        f.call_bodies.push(body.map(<[u8]>::to_vec));
         let headers = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -194,6 +200,11 @@ impl Host for FakeHost {
             .borrow_mut()
             .grpc_sent
             .push((token, msg.to_vec(), end_stream));
+        Ok(())
+    }
+
+    fn resume_request(&self) -> HostResult<()> {
+        self.0.borrow_mut().resumed += 1;
         Ok(())
     }
 
@@ -1237,5 +1248,91 @@ fn precise_mode_is_off_without_a_cluster_and_an_unknown_cluster_is_not_fatal() {
     a.state.borrow_mut().tick();
     assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 1);
     let (h, _) = a.post("still routes");
+    assert!(h.decision().is_some());
+}
+
+const TOKENIZE: &str =
+    r#","disaggregation":{"threshold_tokens":0},"tokenize":{"cluster":"pool-d0","timeout_ms":50}"#;
+
+impl Vm {
+    /// Answers the HTTP call `token` of context `h` (None: no answer, a timeout).
+    fn call_answer(&self, h: &mut Http, token: u32, answer: Option<(&str, &str)>) {
+        let (n, size) = {
+            let mut f = self.f();
+            match answer {
+                Some((status, body)) => {
+                    f.call_headers = vec![(":status".into(), status.into())];
+                    f.call_body = body.as_bytes().to_vec();
+                    (1, body.len())
+                }
+                None => {
+                    f.call_headers.clear();
+                    f.call_body.clear();
+                    (0, 0)
+                }
+            }
+        };
+        h.on_http_call_response(token, n, size, 0);
+    }
+}
+
+#[test]
+fn text_prompts_route_on_the_engines_token_ids_when_tokenize_is_on() {
+    let vm = Vm::new(TOKENIZE);
+    let (mut h, action) = vm.post("a text prompt");
+    assert_eq!(action, Action::Pause, "waits for the tokenizer");
+    assert!(h.decision().is_none());
+    let (token, cluster, headers) = vm.f().calls[0].clone();
+    assert_eq!(cluster, "pool-d0");
+    assert!(headers.contains(&(":path".into(), "/tokenize".into())));
+    assert!(headers.contains(&(":method".into(), "POST".into())));
+    let sent: serde_json::Value =
+        serde_json::from_slice(vm.f().call_bodies[0].as_ref().unwrap()).unwrap();
+    assert_eq!(
+        sent,
+        serde_json::json!({"model":"m","prompt":"a text prompt"})
+    );
+    vm.f().now_ns += 2_000_000;
+    let ids: Vec<u32> = (0..40).collect();
+    let answer = serde_json::json!({"count": 40, "tokens": ids}).to_string();
+    vm.call_answer(&mut h, token, Some(("200", &answer)));
+    assert_eq!(vm.f().resumed, 1);
+    let d = h.decision().expect("routed").clone();
+    // The same blocks as a request that had sent those ids.
+    let want = {
+        let body = serde_json::json!({"model":"m","prompt": ids}).to_string();
+        let req =
+            crate::request::parse(crate::request::ApiKind::Completions, body.as_bytes()).unwrap();
+        crate::hashing::prompt_hashes(&req, &crate::hashing::HashParams::default()).blocks
+    };
+    assert_eq!(d.hashes(), &want[..]);
+    assert!(d.exact_tokens);
+    assert_eq!(vm.counter("kvroute.tokenize.ok.total"), 1);
+    assert_eq!(vm.recorded("kvroute.tokenize_us"), Some(2000));
+    assert!(vm.req_header("x-kvroute-cluster").is_some());
+
+    // No answer (timeout), an error status, or garbage: routed on the text, never failed.
+    for answer in [None, Some(("503", "{}")), Some(("200", "<html>"))] {
+        let (mut h, _) = vm.post("another text prompt");
+        let token = vm.f().calls.last().unwrap().0;
+        vm.call_answer(&mut h, token, answer);
+        let d = h.decision().expect("routed on the text");
+        assert!(!d.exact_tokens);
+    }
+    assert_eq!(vm.counter("kvroute.tokenize.failed.total"), 3);
+    assert_eq!(vm.f().resumed, 4);
+
+    // Token ids need no call; a refused call routes at once.
+    let calls = vm.f().calls.len();
+    let body = br#"{"model":"m","prompt":[1,2,3],"max_tokens":4}"#.to_vec();
+    vm.request("POST", "/v1/completions", &[]);
+    vm.f().request_body = body.clone();
+    let mut h = vm.http();
+    h.on_http_request_headers(3, false);
+    assert_eq!(h.on_http_request_body(body.len(), true), Action::Continue);
+    assert_eq!(vm.f().calls.len(), calls);
+    vm.f().failing.push("http_call");
+    let (h, action) = vm.post("refused");
+    assert_eq!(action, Action::Continue);
     assert!(h.decision().is_some());
 }

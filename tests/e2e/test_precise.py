@@ -169,3 +169,35 @@ def test_a_relay_restart_fails_no_request_and_is_repaired(precise):
     time.sleep(0.2)
     again, predicted, cached = post(precise, other)
     assert again == w and abs(predicted - cached) <= BLOCK and cached >= 31 * BLOCK
+
+
+def test_chat_prompts_match_engine_events_through_the_tokenizer():
+    """Text and chat prompts hash by bytes, which the engines' token-id events can never
+    match; with `tokenize` kvroute asks the engine for the ids first (and reports the wait)."""
+    workers = fleet()
+    s = Stack(workers, kvroute={"disaggregation": {"threshold_tokens": 0},
+                                "tokenize": {"cluster": workers[0].name, "timeout_ms": 200}},
+              concurrency=2, relay=True).start()
+    try:
+        wait_live(s)
+        system = " ".join(f"rule {i}: answer briefly and cite the handbook section {i * 7}." for i in range(60))
+        first = None
+        for turn in range(5):
+            body = {"model": "mock-model", "max_tokens": 2, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question number {turn} about the handbook"}]}
+            status, headers, data = s.post("/v1/chat/completions", body)
+            assert status == 200, data[:300]
+            cached = json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            predicted = int(headers["x-kvroute-predicted-cached-tokens"])
+            first = first or headers["x-worker-id"]
+            assert headers["x-worker-id"] == first
+            if turn:
+                assert cached > 300 and abs(predicted - cached) <= BLOCK, (turn, predicted, cached)
+            time.sleep(0.1)
+        st = s.stats()
+        assert st.get("kvroute_tokenize_ok_total", 0) == 5, st
+        _, _, text_stats = request(s.admin, "GET", "/stats?filter=tokenize_us")
+        print("\n" + text_stats.decode().strip())
+    finally:
+        s.stop()
