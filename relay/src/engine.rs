@@ -153,10 +153,14 @@ pub async fn supervise(hub: Arc<Hub>, spec: EngineSpec, opts: EngineOpts) {
 
 fn clear_worker(st: &mut crate::hub::State, worker: usize) {
     let mut d = DeltaBuilder::default();
+    let mut stale = false;
     if let Some(w) = st.workers.get_mut(worker) {
         w.index.clear(&mut d);
+        stale = w.stale;
     }
-    let delta = d.finish();
+    // A live `cleared` without `stale` tells gateways the worker is described again.
+    let mut delta = d.finish();
+    delta.stale = stale;
     st.publish(vec![Change { worker, delta }]);
 }
 
@@ -213,7 +217,10 @@ pub fn judge(last: Option<(u64, u64)>, frames: &[(u64, Bytes)]) -> Verdict {
         },
         None if newest.is_none_or(|n| n < seq) => Verdict::Changed {
             restart: true,
-            why: format!("its sequence ends before batch {seq}"),
+            why: match newest {
+                Some(n) => format!("its sequence ends at {n}, before batch {seq}"),
+                None => format!("it buffers no batch, not even {seq}"),
+            },
         },
         None => Verdict::Changed {
             restart: false,
