@@ -18,6 +18,7 @@ Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for 
 
 import argparse
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +43,7 @@ ENVOY = os.path.join(ROOT, ".venv", "bin", "envoy")  # the project venv (make ve
 SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
 VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
+RELAY = os.path.join(ROOT, "target", "release", "kvroute-relay")  # precise mode (cargo build -p kvroute-relay)
 LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
 # KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
 WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
@@ -103,9 +105,12 @@ PRESETS = {
     "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0,
                  goodput=True, repeats=2, bisect="auto"),
 }
-POLICIES = ["kvroute", "kvroute-tuned", "envoy-round-robin", "envoy-least-request", "envoy-random",
+POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
-# Run when --policies is not given (the others stay runnable by --policies).
+# Run when --policies is not given (the others stay runnable by --policies). kvroute-tokenize and
+# kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
+# kvroute-tuned), they add two runs per load to make bench's 40-minute budget, and
+# kvroute-precise needs target/release/kvroute-relay, which make bench-deps does not build.
 DEFAULT_POLICIES = ["kvroute", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
                     "vllm-router-cache-aware", "oracle"]
 # The peers kvroute's targets compare against (issue 11), and the baseline of the 3x target.
@@ -113,6 +118,21 @@ PEERS = ["sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
 # Targets by scenario: goodput >= 1.2x the best peer at the 2 s SLO; >= 3x round-robin at 2 s.
 TARGET_1_2X_PEER = ["shared-context", "agentic", "docqa"]
 TARGET_3X_RR = ["shared-context", "docqa"]
+# Issue 14: precise mode's goodput at 2 s >= 1.3x predicted mode's (plain kvroute) on the
+# eviction-pressure scenario.
+TARGET_PRECISE_1_3X = ["docqa"]
+# kvroute variants of issue 14 (predicted mode is plain kvroute): the plugin config each adds.
+# tokenize: text and chat prompts are hashed on the engine's own token ids (POST /tokenize
+# through the round-robin pool of the workers, "decode-pool"); precise: the filter also streams
+# the engines' KV cache events from kvroute-relay (started with the fleet, per cell).
+TOKENIZE_CONFIG = {"tokenize": {"cluster": "decode-pool", "timeout_ms": 100}}
+PRECISE_POLICIES = {
+    "kvroute-tokenize": dict(TOKENIZE_CONFIG),
+    "kvroute-precise": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
+}
+# A kvroute-tokenize / kvroute-precise cell fails when more than this share of tokenize calls
+# failed (timeouts, errors: those requests were routed on the text).
+TOKENIZE_MAX_FAILED = 0.01
 ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
             "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
 OVERHEAD_SIZES = [1000, 8000, 32000, 128000]
@@ -243,7 +263,9 @@ def resolve_capacity(cfg, logdir):
         raise RuntimeError("mock-worker did not report vllm:cache_config_info")
 
 
-def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
+def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None, kv_events=False):
+    """n mock workers; kv_events: each publishes vLLM-format KV cache events (PUB and replay
+    ports, for kvroute-relay)."""
     n = n or cfg["workers"]
     ws = []
     for i in range(n):
@@ -251,8 +273,13 @@ def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None):
         argv = [MOCK, "--host", "127.0.0.1", "--port", str(port), "--name", f"w{i}",
                 "--model", MODEL,
                 "--speedup", str(speedup or cfg["speedup"])] + mock_args(cfg, kv_blocks)
-        p = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
-        ws.append(dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", proc=p))
+        w = dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}")
+        if kv_events:
+            w.update(kv_events=free_port(), kv_replay=free_port())
+            argv += ["--kv-events", f"tcp://127.0.0.1:{w['kv_events']}",
+                     "--kv-events-replay", f"tcp://127.0.0.1:{w['kv_replay']}"]
+        w["proc"] = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
+        ws.append(w)
     for w in ws:
         wait_until(lambda w=w: (http("GET", w["url"] + "/health")[0] == 200, None), 15,
                    f"worker {w['name']}", [w["proc"]])
@@ -267,8 +294,26 @@ def upstreams(cfg, ws):
     return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], kv_blocks=cfg["kv_blocks"]) for w in ws]
 
 
-def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
-    """Envoy from scripts/envoyconf.py (bench/envoy/*.yaml show what it writes)."""
+def start_relay(cfg, ws, logdir):
+    """kvroute-relay subscribed to every worker's KV events (precise mode); returns the process,
+    its gRPC port and its metrics URL once /health answers."""
+    if not os.path.exists(RELAY):
+        raise RuntimeError(f"{RELAY} not built (cargo build --release -p kvroute-relay)")
+    port, mport = free_port(), free_port()
+    argv = [RELAY, "--model", MODEL, "--block-size", str(cfg["block_size"]),
+            "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}"]
+    for w in ws:
+        argv += ["--engine", f"{w['name']}=tcp://127.0.0.1:{w['kv_events']},replay=tcp://127.0.0.1:{w['kv_replay']}"]
+    p = Procs.start(argv, os.path.join(logdir, "relay.log"))
+    murl = f"http://127.0.0.1:{mport}"
+    wait_until(lambda: (http("GET", murl + "/health")[0] == 200, None), 15, "kvroute-relay", [p])
+    return p, port, murl
+
+
+def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
+    """Envoy from scripts/envoyconf.py (bench/envoy/*.yaml show what it writes); returns the
+    process, its listener URL and its admin URL. relay_port: kvroute-relay's gRPC port (the
+    `kvroute-relay` cluster, precise mode)."""
     port, admin = free_port(), free_port()
     conf = None
     if policy.startswith("kvroute"):
@@ -276,6 +321,10 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
             raise RuntimeError(f"{WASM} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
     site = envoyconf.bench_site(port, admin, WASM)
+    if policy in PRECISE_POLICIES:
+        # decode-pool: round-robin over the workers, the cluster the tokenize calls go to.
+        site = dataclasses.replace(site, fallback_pool=True,
+                                   relay=("127.0.0.1", relay_port) if relay_port else None)
     doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
@@ -284,7 +333,7 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None):
             "-l", "warning"]
     p = Procs.start(argv, os.path.join(logdir, "envoy.log"))
     wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "envoy", [p])
-    return p, f"http://127.0.0.1:{port}"
+    return p, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
 
 
 def start_peer(cfg, policy, ws, logdir):
@@ -346,6 +395,59 @@ def scrape(ws):
     return tot
 
 
+def prom(url, prefixes):
+    """Samples of a Prometheus text page whose names start with one of prefixes, as
+    {'name{labels}': value} ('{}' dropped)."""
+    _, _, b = http("GET", url, timeout=5)
+    out = {}
+    for line in b.decode().splitlines():
+        if line.startswith(tuple(prefixes)) and " " in line:
+            k, v = line.rsplit(" ", 1)
+            try:
+                out[k.replace("{}", "")] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def envoy_kvroute_stats(admin):
+    """Envoy's kvroute_precise_* and kvroute_tokenize_* stats (admin /stats/prometheus)."""
+    return prom(admin + "/stats/prometheus", ("kvroute_precise_", "kvroute_tokenize_"))
+
+
+def stat(stats, name):
+    """One stat by name, summed over its labelled series (histograms: their _sum/_count)."""
+    return sum(v for k, v in stats.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_stream_live(admin, procs, timeout=30.0):
+    """Waits until the filter's relay stream is live (kvroute_precise_stream_live >= 1)."""
+    def ok():
+        st = envoy_kvroute_stats(admin)
+        v = stat(st, "kvroute_precise_stream_live")
+        return v >= 1, f"kvroute_precise_stream_live {v:g}"
+    return wait_until(ok, timeout, "precise mode: the relay stream never went live", procs)
+
+
+def check_precise(policy, p):
+    """Raises when a kvroute-tokenize / kvroute-precise cell did not run as intended: the relay
+    stream never went live, or more than TOKENIZE_MAX_FAILED of the tokenize calls failed."""
+    st = p["envoy"]
+    bad = []
+    if policy == "kvroute-precise" and not p.get("stream_live_seen"):
+        bad.append("kvroute_precise_stream_live never reached 1")
+    ok, failed = p["tokenize_ok"], p["tokenize_failed"]
+    if ok + failed == 0:
+        bad.append("no tokenize calls counted (kvroute_tokenize_ok/failed_total are 0)")
+    elif p["tokenize_failed_share"] > TOKENIZE_MAX_FAILED:
+        bad.append(f"tokenize failed {failed:g} of {ok + failed:g} calls "
+                   f"({p['tokenize_failed_share']:.1%} > {TOKENIZE_MAX_FAILED:.0%})")
+    if policy == "kvroute-precise" and stat(st, "kvroute_precise_blocks_stored_total") == 0:
+        bad.append("the filter applied no engine BlockStored events (kvroute_precise_blocks_stored_total 0)")
+    if bad:
+        raise RuntimeError(f"{policy}: " + "; ".join(bad))
+
+
 def workload_args(cfg, load):
     """loadgen's workload flags for one offered load of the configured scenario."""
     if cfg["workload"] == "mooncake":
@@ -377,9 +479,15 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     os.makedirs(cell)
     started = list(Procs.live)
     t_cell = time.time()
+    admin = relay_metrics = None
+    precise = None
     try:
-        ws = start_fleet(cfg, cell)
+        ws = start_fleet(cfg, cell, kv_events=policy == "kvroute-precise")
         procs = [w["proc"] for w in ws]
+        relay_port = None
+        if policy == "kvroute-precise":
+            rp, relay_port, relay_metrics = start_relay(cfg, ws, cell)
+            procs.append(rp)
         lg = [LOADGEN] + workload_args(cfg, speed) + [
               "--max-output", str(cfg["max_output"]),
               "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
@@ -390,19 +498,59 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                    "--oracle-held-weight", str(cfg["oracle_held_weight"])]
         else:
             if policy.startswith("kvroute") or policy.startswith("envoy"):
-                extra = cfg["tuned"] if policy == "kvroute-tuned" else None
-                p, url = start_envoy(cfg, policy, ws, cell, extra)
+                extra = cfg["tuned"] if policy == "kvroute-tuned" else PRECISE_POLICIES.get(policy)
+                p, url, admin = start_envoy(cfg, policy, ws, cell, extra, relay_port)
             else:
                 p, url = start_peer(cfg, policy, ws, cell)
             procs.append(p)
             check_routes(url, procs, policy)
             lg += ["--target", url]
+        if policy in PRECISE_POLICIES:
+            precise = {"stream_live_seen": False}
+            if policy == "kvroute-precise":
+                # Loud failure (the cell is not run) when the stream does not come up.
+                wait_stream_live(admin, procs)
+                precise["stream_live_seen"] = True
+                precise["stream_live_at_start"] = stat(envoy_kvroute_stats(admin), "kvroute_precise_stream_live")
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
-            r = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT)
-        if r.returncode != 0:
-            raise RuntimeError(f"loadgen exited {r.returncode} (see {cell}/loadgen.log)")
+            if precise is not None and policy == "kvroute-precise":
+                # The stream's liveness sampled through the run (a drop would show as min 0).
+                lgp = subprocess.Popen(lg, stdout=f, stderr=subprocess.STDOUT)
+                live = []
+                while lgp.poll() is None:
+                    try:
+                        live.append(stat(envoy_kvroute_stats(admin), "kvroute_precise_stream_live"))
+                    except Exception:
+                        pass
+                    time.sleep(1.0)
+                rc = lgp.wait()
+                precise["stream_live_samples"] = len(live)
+                precise["stream_live_min"] = min(live) if live else None
+                precise["stream_live_max"] = max(live) if live else None
+            else:
+                rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise RuntimeError(f"loadgen exited {rc} (see {cell}/loadgen.log)")
         with open(os.path.join(cell, "summary.json")) as f:
             s = json.load(f)
+        if precise is not None:
+            # What the filter did with tokenization and the relay stream, and (precise) the
+            # relay's own counters, at the end of the run; written before any check fails.
+            precise["envoy"] = st = envoy_kvroute_stats(admin)
+            if relay_metrics:
+                precise["relay"] = prom(relay_metrics + "/metrics", ("kvroute_relay_",))
+            precise["stream_live_end"] = stat(st, "kvroute_precise_stream_live")
+            precise["stream_live_seen"] = precise["stream_live_seen"] or precise["stream_live_end"] >= 1
+            precise["tokenize_ok"] = ok = stat(st, "kvroute_tokenize_ok_total")
+            precise["tokenize_failed"] = failed = stat(st, "kvroute_tokenize_failed_total")
+            precise["tokenize_failed_share"] = failed / (ok + failed) if ok + failed else None
+            for k in ("blocks_stored_total", "blocks_removed_total", "updates_total", "stream_failures_total",
+                      "unknown_workers_total"):
+                precise["filter_" + k] = stat(st, "kvroute_precise_" + k)
+            s["precise"] = precise
+            with open(os.path.join(cell, "precise.json"), "w") as f:
+                json.dump(precise, f, indent=1)
+            check_precise(policy, precise)
         s["worker_metrics"] = m = scrape(ws)
         # Engine-side hit rate (all requests, warm-up included): what the workers' prefix
         # caches served, whether or not they report cached_tokens to clients.
@@ -427,7 +575,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, "
             f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
-            f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall")
+            f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall"
+            + ("" if precise is None else " | " + precise_text(precise)))
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
@@ -435,6 +584,27 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
 
 def fmt(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+RELAY_COUNTERS = ["blocks_stored_total", "blocks_removed_total", "gaps_repaired_total", "gaps_unrepaired_total",
+                  "engine_restarts_total", "orphan_blocks_total", "block_size_mismatch_total", "bad_events_total",
+                  "decode_errors_total", "updates_sent_total", "lagged_resnapshots_total"]
+
+
+def precise_text(p):
+    """One line: tokenize calls, the stream's liveness and the event counters of a cell."""
+    t = (f"tokenize ok {p.get('tokenize_ok', 0):g} failed {p.get('tokenize_failed', 0):g}"
+         + (f" ({p['tokenize_failed_share']:.2%})" if p.get("tokenize_failed_share") is not None else ""))
+    if "relay" not in p:
+        return t
+    r = p["relay"]
+    return (t + f"; stream live {'yes' if p.get('stream_live_seen') else 'NO'} (min/max during run "
+            f"{fmt(p.get('stream_live_min'), 0)}/{fmt(p.get('stream_live_max'), 0)}, end {p.get('stream_live_end', 0):g}), "
+            f"filter stored/removed {p.get('filter_blocks_stored_total', 0):g}/{p.get('filter_blocks_removed_total', 0):g}, "
+            f"stream failures {p.get('filter_stream_failures_total', 0):g}; relay stored/removed "
+            f"{stat(r, 'kvroute_relay_blocks_stored_total'):g}/{stat(r, 'kvroute_relay_blocks_removed_total'):g}, gaps "
+            f"repaired/unrepaired {stat(r, 'kvroute_relay_gaps_repaired_total'):g}/"
+            f"{stat(r, 'kvroute_relay_gaps_unrepaired_total'):g}")
 
 
 # ---------------------------------------------------------------- overhead
@@ -449,13 +619,13 @@ def run_overhead(cfg, rawdir, have_kvroute):
     try:
         ws = start_fleet(cfg, cell, n=1, speedup=1e6, kv_blocks=16384)
         targets = {"direct": ws[0]["url"]}
-        p, url = start_envoy(cfg, "envoy-round-robin", ws, os.path.join(cell))
+        p, url, _ = start_envoy(cfg, "envoy-round-robin", ws, os.path.join(cell))
         targets["envoy"] = url
         if have_kvroute:
             kdir = os.path.join(cell, "kvroute")
             os.makedirs(kdir, exist_ok=True)
             try:
-                p2, url2 = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
+                p2, url2, _ = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
                 check_routes(url2, [p2], "kvroute")
                 targets["envoy+kvroute"] = url2
             except Exception as e:
@@ -767,7 +937,7 @@ def analyze(cfg, res):
                           hit_rate_source=main.get("hit_rate_source", "usage")))
     res["table"] = table
     res["envelope_beaten"] = envelope_beaten(cfg, res)
-    res["targets"] = targets(cfg, res)
+    res["targets"] = targets(cfg, res) + precise_targets(cfg, res)
 
 
 def envelope_beaten(cfg, res):
@@ -866,7 +1036,87 @@ def targets(cfg, res):
     return rows
 
 
-SUMMARY_POLICIES = ["kvroute", "kvroute-tuned", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
+def precise_targets(cfg, res):
+    """Issue 14: kvroute-precise's goodput at the 2 s SLO against predicted mode's (kvroute) on
+    the eviction-pressure scenario; kvroute-tokenize's ratio is shown alongside."""
+    P = res["policies"]
+    if cfg["scenario"] not in TARGET_PRECISE_1_3X or 2.0 not in cfg["slos"]:
+        return []
+    quick = not cfg.get("goodput")
+
+    def gp(pol):
+        return (P.get(pol, {}).get("goodput") or {}).get("2")
+
+    k = gp("kvroute")
+    rows = []
+    for pol, factor in (("kvroute-precise", 1.3), ("kvroute-tokenize", None)):
+        x = gp(pol)
+        name = (f"{pol} goodput @ 2 s >= {factor:g}x kvroute (predicted)" if factor
+                else f"{pol} goodput @ 2 s vs kvroute (predicted), for reference")
+        if not P.get(pol, {}).get("runs"):
+            if factor:
+                rows.append(dict(target=name, value="-", reference="no runs", status="not measured"))
+            continue
+        if not x or not k:
+            rows.append(dict(target=name, value="-", reference="kvroute did not run", status="not measured"))
+            continue
+        ratio = f" = {x['value'] / k['value']:.2f}x" if k["value"] else ""
+        if not factor:
+            st = "info"
+        elif quick:
+            st = "not measured (quick)"
+        elif k["kind"] == "<":
+            st = "undecided (both missed the SLO at the floor)" if x["kind"] == "<" else "met"
+        elif x["value"] >= k["value"] * factor * 0.99999:
+            st = "met" if k["kind"] != ">=" else "undecided (kvroute met the SLO up to the cap)"
+        else:
+            st = "missed" if x["kind"] != ">=" else f"undecided ({pol} met the SLO up to the cap)"
+        if factor and not quick and "sweep" in (k["method"], x["method"]):
+            st += " (read off the sweep, not bisected)"
+        rows.append(dict(target=name, value=gp_text(x) + ratio, reference=f"kvroute: {gp_text(k)}", status=st))
+    return rows
+
+
+def precise_markdown(cfg, res):
+    """Per kvroute-tokenize / kvroute-precise run: tokenize calls, the relay stream, the event
+    counters of the filter (Envoy stats) and of kvroute-relay (its /metrics), at the run's end."""
+    rows = []
+    for pol in PRECISE_POLICIES:
+        r = res["policies"].get(pol, {})
+        for key, x in sorted(r.get("runs", {}).items(), key=lambda kv: float(kv[0])):
+            p = x.get("precise")
+            if not p:
+                continue
+            rl = p.get("relay") or {}
+
+            def rv(name, rl=rl):
+                return f"{stat(rl, 'kvroute_relay_' + name):g}" if rl else "-"
+            share = p.get("tokenize_failed_share")
+            live = ("-" if pol != "kvroute-precise" else
+                    f"{'yes' if p.get('stream_live_seen') else '**no**'} ({fmt(p.get('stream_live_min'), 0)}/"
+                    f"{fmt(p.get('stream_live_max'), 0)}/{p.get('stream_live_end', 0):g})")
+            rows.append(f"| {pol} | {key} | {p.get('tokenize_ok', 0):g} | {p.get('tokenize_failed', 0):g} | "
+                        f"{'-' if share is None else f'{share:.2%}'} | {live} | "
+                        f"{p.get('filter_blocks_stored_total', 0):g} / {p.get('filter_blocks_removed_total', 0):g} | "
+                        f"{p.get('filter_stream_failures_total', 0):g} | {rv('blocks_stored_total')} / "
+                        f"{rv('blocks_removed_total')} | {rv('gaps_repaired_total')} / {rv('gaps_unrepaired_total')} | "
+                        f"{rv('engine_restarts_total')} |")
+    if not rows:
+        return []
+    return ["", "### Precise mode and tokenization (end of each run)", "",
+            f"| policy | {cfg['load_name']} | tokenize ok | tokenize failed | failed share | stream live "
+            "(min/max during run/end) | filter blocks stored / removed | filter stream failures | relay blocks "
+            "stored / removed | relay gaps repaired / unrepaired | relay engine restarts |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [
+            "", "Envoy stats `kvroute_tokenize_{ok,failed}_total` and `kvroute_precise_*` (admin "
+            "/stats/prometheus, summed over labels), kvroute-relay's `kvroute_relay_*` (/metrics). A cell fails "
+            f"when the stream never went live or more than {TOKENIZE_MAX_FAILED:.0%} of the tokenize calls "
+            "failed. Stream live: the gauge's min/max over 1 s samples while loadgen ran, and at the end (1: live). "
+            "Every run's "
+            "full stat dump is in results.json (`runs.<load>.precise`)."]
+
+
+SUMMARY_POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
                     "envoy-ring-hash", "envoy-least-request", "envoy-random", "oracle"]
 
 
@@ -999,6 +1249,7 @@ def scenario_markdown(cfg, res):
                          + (f" ({x['oracle_setting']})" if x.get("oracle_setting") else ""))
         L.append(f"| {pol} | " + " | ".join(cells) + " |")
     L += envelope_markdown(cfg, res)
+    L += precise_markdown(cfg, res)
     L += ["", "### Targets (kvroute, default config)", ""]
     if not res.get("targets"):
         L.append("kvroute did not run on this scenario: no targets.")
