@@ -74,10 +74,12 @@ $(VENV)/.ruff-$(RUFF_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
 mock-worker:
 	cargo build --release -p mock-worker
 
-# kvroute-relay (precise mode): the engines' KV events into Envoy, see relay/README.md.
+# kvroute-relay (precise mode): the engines' KV events into Envoy, see relay/README.md. Its
+# own profile unwinds on a panic (the release profile aborts), so one engine's task can fail
+# without taking the relay down.
 .PHONY: relay
 relay:
-	cargo build --release -p kvroute-relay
+	cargo build --profile relay -p kvroute-relay
 
 # ---- the demo stack
 .PHONY: run stop demo

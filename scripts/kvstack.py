@@ -24,7 +24,7 @@ import envoyconf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
-RELAY = os.path.join(ROOT, "target", "release", "kvroute-relay")
+RELAY = os.path.join(ROOT, "target", "relay", "kvroute-relay")
 WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
 
@@ -275,7 +275,7 @@ class Stack:
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
         site = self.site
         if self.relay and self.kvroute is not None:
-            self.kvroute.setdefault("precise", {}).setdefault("cluster", envoyconf.RELAY_CLUSTER)
+            self.kvroute.setdefault("relay", {}).setdefault("cluster", envoyconf.RELAY_CLUSTER)
             site = {**(site or {}), "relay": ("127.0.0.1", self.relay.port)}
         cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, site)
         path = os.path.join(self.dir, "envoy.json")

@@ -32,7 +32,10 @@ pub struct Config {
     pub health: HealthConfig,
     pub limits: LimitsConfig,
     pub metrics: MetricsConfig,
-    pub precise: PreciseConfig,
+    /// kvroute-relay: the engines' KV events (precise mode) and other gateways' decisions.
+    /// `precise` is accepted as another name of this section.
+    #[serde(alias = "precise")]
+    pub relay: RelayConfig,
     pub tokenize: TokenizeConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
@@ -57,7 +60,7 @@ impl Default for Config {
             health: HealthConfig::default(),
             limits: LimitsConfig::default(),
             metrics: MetricsConfig::default(),
-            precise: PreciseConfig::default(),
+            relay: RelayConfig::default(),
             tokenize: TokenizeConfig::default(),
             debug_headers: false,
             seed: 0,
@@ -371,10 +374,11 @@ impl Default for MetricsConfig {
     }
 }
 
-/// Precise mode: the engines' own KV cache events, streamed by kvroute-relay over gRPC.
+/// kvroute-relay's gRPC stream: the engines' own KV cache events (precise mode) and, from
+/// gateways sharing the relay's NATS, their routing decisions.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct PreciseConfig {
+pub struct RelayConfig {
     /// Envoy cluster of kvroute-relay (HTTP/2). Empty: precise mode is off and the index
     /// holds kvroute's own predictions only.
     pub cluster: String,
@@ -386,7 +390,7 @@ pub struct PreciseConfig {
     pub retry_max_ms: u64,
 }
 
-impl Default for PreciseConfig {
+impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             cluster: String::new(),
@@ -631,17 +635,17 @@ impl Config {
         if t.max_bytes == 0 {
             return Err(err("tokenize.max_bytes", "must be at least 1"));
         }
-        let p = &self.precise;
+        let p = &self.relay;
         if !p.cluster.is_empty() && !is_header_value(&p.cluster) {
-            return Err(err("precise.cluster", "must be an Envoy cluster name"));
+            return Err(err("relay.cluster", "must be an Envoy cluster name"));
         }
         if p.speculative_ms > 600_000 {
-            return Err(err("precise.speculative_ms", "must be at most 600000"));
+            return Err(err("relay.speculative_ms", "must be at most 600000"));
         }
         if p.retry_min_ms == 0 || p.retry_min_ms > p.retry_max_ms || p.retry_max_ms > 600_000 {
             return Err(err(
-                "precise.retry_min_ms",
-                "must be at least 1 and at most precise.retry_max_ms (at most 600000)",
+                "relay.retry_min_ms",
+                "must be at least 1 and at most relay.retry_max_ms (at most 600000)",
             ));
         }
         Ok(())
@@ -783,27 +787,28 @@ mod tests {
     }
 
     #[test]
-    fn precise_section() {
+    fn relay_section() {
         let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
-        assert_eq!(c.precise.cluster, "");
-        let c = parse(r#"{"workers":[{"name":"a"}],"precise":{"cluster":"relay"}}"#).unwrap();
+        assert_eq!(c.relay.cluster, "");
+        let c = parse(r#"{"workers":[{"name":"a"}],"relay":{"cluster":"relay"}}"#).unwrap();
         assert_eq!(
-            (c.precise.cluster.as_str(), c.precise.speculative_ms),
+            (c.relay.cluster.as_str(), c.relay.speculative_ms),
             ("relay", 1000)
         );
         for (json, field) in [
-            (r#"{"cluster":"a b"}"#, "precise.cluster"),
-            (r#"{"retry_min_ms":0}"#, "precise.retry_min_ms"),
-            (r#"{"retry_min_ms":9000}"#, "precise.retry_min_ms"),
-            (r#"{"speculative_ms":700000}"#, "precise.speculative_ms"),
+            (r#"{"cluster":"a b"}"#, "relay.cluster"),
+            (r#"{"retry_min_ms":0}"#, "relay.retry_min_ms"),
+            (r#"{"retry_min_ms":9000}"#, "relay.retry_min_ms"),
+            (r#"{"speculative_ms":700000}"#, "relay.speculative_ms"),
         ] {
-            let e = parse(&format!(
-                r#"{{"workers":[{{"name":"a"}}],"precise":{json}}}"#
-            ))
-            .unwrap_err();
+            let e =
+                parse(&format!(r#"{{"workers":[{{"name":"a"}}],"relay":{json}}}"#)).unwrap_err();
             assert_eq!(e.field, field, "{json}");
         }
-        assert!(parse(r#"{"workers":[{"name":"a"}],"precise":{"clustr":"x"}}"#).is_err());
+        assert!(parse(r#"{"workers":[{"name":"a"}],"relay":{"clustr":"x"}}"#).is_err());
+        // The section's other name.
+        let c = parse(r#"{"workers":[{"name":"a"}],"precise":{"cluster":"r"}}"#).unwrap();
+        assert_eq!(c.relay.cluster, "r");
     }
 
     #[test]

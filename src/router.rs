@@ -511,9 +511,9 @@ impl Router {
                     // The engine's own events say what it cached. The pick counts until they
                     // have arrived (usually already: the engine reports blocks when it
                     // computes them, before the first token), and never beyond
-                    // `precise.speculative_ms`: a lingering pick would hide evictions.
+                    // `relay.speculative_ms`: a lingering pick would hide evictions.
                     if !self.engine_reported(*id, now_ms) {
-                        let until = now_ms.saturating_add(self.cfg.precise.speculative_ms);
+                        let until = now_ms.saturating_add(self.cfg.relay.speculative_ms);
                         self.confirmed.push_back((until, *id));
                     }
                 } else if let Some(p) = self.speculative.take(*id) {
@@ -976,7 +976,7 @@ mod tests {
         // Confirmed on an engine-fed worker: still counted while the engine's event is due.
         r.held_blocks(d.hashes(), 30, &mut held);
         assert_eq!(held[w], n);
-        // The engine never reported it: after `precise.speculative_ms` it is not held.
+        // The engine never reported it: after `relay.speculative_ms` it is not held.
         r.tick(10 + 2_000);
         r.held_blocks(d.hashes(), 2_010, &mut held);
         assert_eq!(held[w], 0, "a pick the engine never confirmed lingers");

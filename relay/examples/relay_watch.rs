@@ -21,6 +21,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let req = WatchRequest {
         gateway: "relay_watch".into(),
         block_size,
+        ..WatchRequest::default()
     };
     let mut s = g
         .server_streaming(

@@ -116,6 +116,7 @@ impl Stream {
             phase: phase as i32,
             workers,
             sent_unix_ns: now_ns(),
+            ..Update::default()
         };
         if self.tx.send(Ok(u)).await.is_err() {
             return false;

@@ -137,6 +137,7 @@ async fn watch(url: &str, block_size: u32) -> Result<Stream, tonic::Status> {
     let req = WatchRequest {
         gateway: "test".into(),
         block_size,
+        ..WatchRequest::default()
     };
     g.server_streaming(tonic::Request::new(req), path, ProstCodec::default())
         .await

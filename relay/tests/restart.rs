@@ -139,6 +139,7 @@ async fn watch(hub: Arc<Hub>) -> Stream {
     let req = WatchRequest {
         gateway: "test".into(),
         block_size: BS,
+        ..WatchRequest::default()
     };
     g.server_streaming(tonic::Request::new(req), path, ProstCodec::default())
         .await

@@ -47,7 +47,7 @@ impl RelayStream {
 impl State {
     /// Opens the stream when this VM should hold it and it is not open; renews the lease.
     pub(super) fn relay_tick(&mut self, now: u64) {
-        let cfg = &self.router.config().precise;
+        let cfg = &self.router.config().relay;
         if cfg.cluster.is_empty() {
             return;
         }
@@ -80,6 +80,7 @@ impl State {
                 self.repl.as_ref().map_or(0, |r| r.id())
             ),
             block_size,
+            ..WatchRequest::default()
         };
         if !self.host.grpc_send(token, &req.encode_to_vec(), true) {
             self.host.grpc_cancel(token);
@@ -188,7 +189,7 @@ impl State {
 
     fn relay_failed(&mut self, why: &str) {
         self.metrics.precise_stream_failures.inc();
-        let cfg = &self.router.config().precise;
+        let cfg = &self.router.config().relay;
         let backoff = if self.relay.backoff_ms == 0 {
             cfg.retry_min_ms
         } else {

@@ -1100,7 +1100,7 @@ fn scrapes_are_bounded_and_off_by_default() {
     assert_eq!(a.calls().len(), 6);
 }
 
-const PRECISE: &str = r#","disaggregation":{"threshold_tokens":0},"precise":{"cluster":"relay"}"#;
+const PRECISE: &str = r#","disaggregation":{"threshold_tokens":0},"relay":{"cluster":"relay"}"#;
 
 impl Vm {
     fn relay_update(&self, token: u32, u: &crate::precise::wire::Update) {
@@ -1141,6 +1141,7 @@ fn relay_update(
             })
             .collect(),
         sent_unix_ns: 900_000_000,
+        ..Default::default()
     }
 }
 

@@ -169,8 +169,9 @@ impl Feed {
                         on: false,
                     });
                 }
-            } else if d.cleared && self.live {
-                // A live reset of this worker's state: from here on the relay describes it.
+            } else if self.live && (d.cleared || get(&self.stale, w)) {
+                // A live reset of this worker's state, or the relay's word that its lost
+                // engine is back unchanged: from here on the relay describes it.
                 set(&mut self.stale, w, false);
                 if !set(&mut self.fed, w, true) {
                     out.push(Event::EngineFeed {
@@ -235,6 +236,7 @@ mod tests {
             phase: phase as i32,
             workers,
             sent_unix_ns: 0,
+            ..Update::default()
         }
     }
 
@@ -357,8 +359,27 @@ mod tests {
             }]
         );
         out.clear();
+        // The engine came back unchanged: a delta without `stale` feeds it again.
         f.apply(
-            &update(3, Phase::Live, vec![delta("b", true, &[5], &[])]),
+            &update(3, Phase::Live, vec![delta("b", false, &[], &[])]),
+            names,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            vec![Event::EngineFeed {
+                worker: 1,
+                on: true
+            }]
+        );
+        let mut st = delta("b", false, &[], &[]);
+        st.stale = true;
+        f.apply(&update(4, Phase::Live, vec![st]), names, &mut out)
+            .unwrap();
+        out.clear();
+        f.apply(
+            &update(5, Phase::Live, vec![delta("b", true, &[5], &[])]),
             names,
             &mut out,
         )

@@ -11,6 +11,10 @@ pub struct WatchRequest {
     pub gateway: String,
     #[prost(uint32, tag = "2")]
     pub block_size: u32,
+    #[prost(bytes = "vec", repeated, tag = "3")]
+    pub decisions: Vec<Vec<u8>>,
+    #[prost(string, tag = "4")]
+    pub group: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
@@ -32,6 +36,20 @@ pub struct Update {
     #[prost(message, repeated, tag = "4")]
     pub workers: Vec<WorkerDelta>,
     #[prost(uint64, tag = "5")]
+    pub sent_unix_ns: u64,
+    #[prost(message, repeated, tag = "6")]
+    pub peers: Vec<PeerDecisions>,
+    #[prost(string, repeated, tag = "7")]
+    pub gone: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PeerDecisions {
+    #[prost(string, tag = "1")]
+    pub gateway: String,
+    #[prost(bytes = "vec", repeated, tag = "2")]
+    pub decisions: Vec<Vec<u8>>,
+    #[prost(uint64, tag = "3")]
     pub sent_unix_ns: u64,
 }
 
@@ -70,6 +88,8 @@ mod tests {
                 stale: true,
             }],
             sent_unix_ns: 5,
+            peers: vec![],
+            gone: vec![],
         };
         let delta: Vec<u8> = [
             &[0x0a, 1, b'w'][..],
@@ -88,7 +108,25 @@ mod tests {
         let w = WatchRequest {
             gateway: "g".into(),
             block_size: 16,
+            decisions: vec![vec![7]],
+            group: "x".into(),
         };
-        assert_eq!(w.encode_to_vec(), vec![0x0a, 1, b'g', 0x10, 16]);
+        assert_eq!(
+            w.encode_to_vec(),
+            vec![0x0a, 1, b'g', 0x10, 16, 0x1a, 1, 7, 0x22, 1, b'x']
+        );
+        let u = Update {
+            peers: vec![PeerDecisions {
+                gateway: "p".into(),
+                decisions: vec![vec![9]],
+                sent_unix_ns: 1,
+            }],
+            gone: vec!["q".into()],
+            ..Update::default()
+        };
+        assert_eq!(
+            u.encode_to_vec(),
+            vec![0x32, 8, 0x0a, 1, b'p', 0x12, 1, 9, 0x18, 1, 0x3a, 1, b'q']
+        );
     }
 }

