@@ -388,6 +388,10 @@ pub struct RelayConfig {
     /// Reconnect backoff after the stream fails: starts here, doubles up to `retry_max_ms`.
     pub retry_min_ms: u64,
     pub retry_max_ms: u64,
+    /// Send this gateway's decisions to the relay, and apply other gateways' decisions it
+    /// sends back (gateway replicas sharing one view over NATS). Off: the stream carries
+    /// engine events only.
+    pub share_decisions: bool,
 }
 
 impl Default for RelayConfig {
@@ -397,6 +401,7 @@ impl Default for RelayConfig {
             speculative_ms: 1_000,
             retry_min_ms: 250,
             retry_max_ms: 8_000,
+            share_decisions: true,
         }
     }
 }

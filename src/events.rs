@@ -34,6 +34,7 @@ const TAG_ENGINE_STORED: u8 = 10;
 const TAG_ENGINE_REMOVED: u8 = 11;
 const TAG_ENGINE_CLEARED: u8 = 12;
 const TAG_ENGINE_FEED: u8 = 13;
+const TAG_PEER_GONE: u8 = 14;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -91,6 +92,11 @@ pub enum Event {
     EngineFeed {
         worker: WorkerId,
         on: bool,
+    },
+    /// Another gateway is gone: release the requests it charged (ids under `tag`, see
+    /// `precise::peers`).
+    PeerGone {
+        tag: u64,
     },
 }
 
@@ -151,6 +157,7 @@ impl Event {
             Event::EngineRemoved { .. } => TAG_ENGINE_REMOVED,
             Event::EngineCleared { .. } => TAG_ENGINE_CLEARED,
             Event::EngineFeed { .. } => TAG_ENGINE_FEED,
+            Event::PeerGone { .. } => TAG_PEER_GONE,
         }
     }
 }
@@ -192,6 +199,7 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u16(o, *worker);
             o.push(u8::from(*on));
         }
+        Event::PeerGone { tag } => put_u64(o, *tag),
     }
 }
 
@@ -349,6 +357,9 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             };
             Event::EngineFeed { worker, on }
         }
+        TAG_PEER_GONE => Event::PeerGone {
+            tag: r.u64().ok_or(t)?,
+        },
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -491,6 +502,7 @@ mod tests {
                 worker: 0,
                 on: false,
             },
+            Event::PeerGone { tag: 0x80_1234 },
         ]
     }
 

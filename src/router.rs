@@ -543,6 +543,9 @@ impl Router {
                 self.index.insert(*worker, hashes, now_ms);
                 self.settle_confirmed(*worker, now_ms, false);
             }
+            Event::PeerGone { tag } => {
+                self.purge_peer(*tag);
+            }
             Event::EngineCleared { worker } => {
                 self.index.clear(*worker);
                 self.settle_confirmed(*worker, now_ms, true);
@@ -761,6 +764,15 @@ impl Router {
             return 0;
         }
         self.load.free_matching(|id| id >> 32 == tag >> 32)
+    }
+
+    /// Releases every request of the peer gateway with id prefix `tag` (it is gone: it will
+    /// never send their ends) and drops the blocks they were expected to leave.
+    pub fn purge_peer(&mut self, tag: u64) -> usize {
+        let mine = |id: RequestId| crate::precise::peers::is_peer_request(id, tag);
+        self.flush();
+        self.speculative.drop_matching(mine);
+        self.load.free_matching(mine)
     }
 
     pub fn worker_name(&self, w: WorkerId) -> &str {

@@ -97,6 +97,14 @@ pub struct Metrics {
     pub precise_delay_us: Id,
     /// Tokenize calls answered with token ids, and those that failed or timed out (routed
     /// on the text); the wait they added.
+    /// Decisions shared with other gateways through the relay: sent, dropped (stream down
+    /// or slow), received, unreadable; peers gone; delay from the peer's relay to here.
+    pub peers_sent: Id,
+    pub peers_dropped: Id,
+    pub peers_received: Id,
+    pub peers_errors: Id,
+    pub peers_gone: Id,
+    pub peers_delay_us: Id,
     pub tokenize_ok: Id,
     pub tokenize_failed: Id,
     pub tokenize_us: Id,
@@ -156,6 +164,12 @@ impl Metrics {
             precise_stream_failures: c("kvroute.precise.stream_failures.total"),
             precise_unknown_workers: c("kvroute.precise.unknown_workers.total"),
             precise_delay_us: h("kvroute.precise.event_delay_us"),
+            peers_sent: c("kvroute.peers.sent.total"),
+            peers_dropped: c("kvroute.peers.dropped.total"),
+            peers_received: c("kvroute.peers.received.total"),
+            peers_errors: c("kvroute.peers.errors.total"),
+            peers_gone: c("kvroute.peers.gone.total"),
+            peers_delay_us: h("kvroute.peers.delay_us"),
             tokenize_ok: c("kvroute.tokenize.ok.total"),
             tokenize_failed: c("kvroute.tokenize.failed.total"),
             tokenize_us: h("kvroute.tokenize_us"),

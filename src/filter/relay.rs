@@ -6,6 +6,7 @@
 use super::state::State;
 use crate::events::{self, Event};
 use crate::ids::WorkerId;
+use crate::precise::peers;
 use crate::precise::wire::{Update, WatchRequest, METHOD, SERVICE};
 use crate::precise::Feed;
 use prost::Message;
@@ -16,6 +17,9 @@ use proxy_wasm::types::{BufferType, LogLevel};
 const LEASE_PERIOD_MS: u64 = 1_000;
 /// A stream whose snapshot has not completed by then is dropped and reopened.
 const SNAPSHOT_DEADLINE_MS: u64 = 30_000;
+/// Decisions waiting for the stream beyond this are dropped (counted): the relay is slow or
+/// the stream is down, and other gateways will see this one's load again from later ones.
+const SHARE_BUFFER_BYTES: usize = 4 << 20;
 
 #[derive(Default)]
 pub struct RelayStream {
@@ -25,6 +29,17 @@ pub struct RelayStream {
     retry_at_ms: u64,
     backoff_ms: u64,
     lease_key: String,
+    /// Shared-data key of this Envoy process's gateway name (one per process, whichever VM
+    /// holds the stream), and the name once read.
+    gateway_key: String,
+    gateway: String,
+    /// The replication namespace: gateways share decisions only within it.
+    group: String,
+    /// This process's decisions (replication messages) not sent to the relay yet.
+    out: Vec<Vec<u8>>,
+    out_bytes: usize,
+    /// The stream was opened to share decisions (not half-closed after the request).
+    sharing: bool,
     /// The last failure was logged; the next one is not until the stream was live again.
     quiet: bool,
 }
@@ -34,6 +49,8 @@ impl RelayStream {
         RelayStream {
             feed: Feed::new(),
             lease_key: format!("{ns}/relay-stream"),
+            gateway_key: format!("{ns}/gateway-name"),
+            group: ns.to_string(),
             ..RelayStream::default()
         }
     }
@@ -67,6 +84,8 @@ impl State {
         {
             return;
         }
+        let share = self.router.config().relay.share_decisions;
+        let gateway = self.gateway_name();
         let Some(token) = self.host.grpc_open(&cluster, SERVICE, METHOD) else {
             self.relay_failed(&format!(
                 "could not open a gRPC stream on cluster {cluster} (unknown cluster?)"
@@ -74,22 +93,85 @@ impl State {
             return;
         };
         let req = WatchRequest {
-            gateway: format!(
-                "{}/replica-{}",
-                self.plugin_name,
-                self.repl.as_ref().map_or(0, |r| r.id())
-            ),
+            gateway,
             block_size,
+            group: self.relay.group.clone(),
             ..WatchRequest::default()
         };
-        if !self.host.grpc_send(token, &req.encode_to_vec(), true) {
+        // Without sharing the request is all this side ever sends.
+        if !self.host.grpc_send(token, &req.encode_to_vec(), !share) {
             self.host.grpc_cancel(token);
             self.relay_failed("could not send the watch request");
             return;
         }
         self.relay.token = Some(token);
         self.relay.opened_ms = now;
+        self.relay.sharing = share;
         self.relay.feed.restart();
+    }
+
+    /// This process's gateway name: made once by the first VM that holds the stream and kept
+    /// in shared data, so a VM taking the stream over speaks for the same gateway.
+    fn gateway_name(&mut self) -> String {
+        if !self.relay.gateway.is_empty() {
+            return self.relay.gateway.clone();
+        }
+        let (cur, cas) = self.bus.get(&self.relay.gateway_key);
+        let name = match cur.and_then(|v| String::from_utf8(v).ok()) {
+            Some(n) if !n.is_empty() => n,
+            _ => {
+                // The clock alone is not unique across processes started together; std's
+                // RandomState draws its keys from the host (WASI random_get in Envoy).
+                let salt = {
+                    use std::hash::{BuildHasher, Hasher};
+                    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                    h.write_u64(self.host.now_ns());
+                    h.finish()
+                };
+                let n = format!("{}-{salt:016x}", self.plugin_name);
+                // A VM that lost the race reads the winner's name next time: the lease makes
+                // that a VM which does not hold the stream anyway.
+                self.bus.set(&self.relay.gateway_key, n.as_bytes(), cas);
+                n
+            }
+        };
+        self.relay.gateway = name.clone();
+        name
+    }
+
+    /// Queues one of this process's replication messages for other gateways (when this VM
+    /// holds a sharing stream).
+    pub(super) fn relay_share(&mut self, msg: &[u8]) {
+        if self.relay.token.is_none() || !self.relay.sharing {
+            return;
+        }
+        if self.relay.out_bytes + msg.len() > SHARE_BUFFER_BYTES {
+            self.metrics.peers_dropped.inc();
+            return;
+        }
+        self.relay.out_bytes += msg.len();
+        self.relay.out.push(msg.to_vec());
+    }
+
+    /// Sends the queued decisions to the relay.
+    pub(super) fn relay_flush(&mut self) {
+        let Some(token) = self.relay.token else {
+            return;
+        };
+        if self.relay.out.is_empty() {
+            return;
+        }
+        let n = self.relay.out.len() as u64;
+        let req = WatchRequest {
+            decisions: core::mem::take(&mut self.relay.out),
+            ..WatchRequest::default()
+        };
+        self.relay.out_bytes = 0;
+        if self.host.grpc_send(token, &req.encode_to_vec(), false) {
+            self.metrics.peers_sent.add(n);
+        } else {
+            self.metrics.peers_dropped.add(n);
+        }
     }
 
     /// One message of the stream.
@@ -129,6 +211,7 @@ impl State {
                 self.metrics.precise_removed.add(a.removed);
                 self.metrics.precise_unknown_workers.add(a.unknown_workers);
                 self.apply_engine_events(evs);
+                self.apply_peers(&update);
                 if a.went_live {
                     self.relay.backoff_ms = 0;
                     self.relay.quiet = false;
@@ -208,6 +291,44 @@ impl State {
         }
     }
 
+    /// Other gateways' decisions, and gateways that are gone.
+    fn apply_peers(&mut self, u: &Update) {
+        if u.peers.is_empty() && u.gone.is_empty() {
+            return;
+        }
+        let own = self.relay.gateway.clone();
+        let now_ns = self.host.now_ns();
+        let mut evs = Vec::new();
+        for p in u.peers.iter().filter(|p| p.gateway != own) {
+            let tag = peers::peer_tag(&p.gateway);
+            if p.sent_unix_ns > 0 {
+                self.metrics
+                    .peers_delay_us
+                    .record(now_ns.saturating_sub(p.sent_unix_ns) / 1000);
+            }
+            for msg in &p.decisions {
+                match events::decode_counted(msg) {
+                    Ok(d) => {
+                        self.metrics.peers_received.add(d.events.len() as u64);
+                        evs.extend(peers::adopt(d.events, tag));
+                    }
+                    Err(_) => self.metrics.peers_errors.inc(),
+                }
+            }
+        }
+        for g in u.gone.iter().filter(|g| **g != own) {
+            self.metrics.peers_gone.inc();
+            self.host.log(
+                LogLevel::Info,
+                &format!("kvroute: gateway {g} is gone; releasing the requests it had charged"),
+            );
+            evs.push(Event::PeerGone {
+                tag: peers::peer_tag(g),
+            });
+        }
+        self.apply_engine_events(evs);
+    }
+
     /// Engine events apply here like any replicated event, and go to the other VMs.
     fn apply_engine_events(&mut self, evs: Vec<Event>) {
         if evs.is_empty() {
@@ -221,6 +342,6 @@ impl State {
         } else {
             self.backlog.push(events::encode(self.host.now_ns(), &evs));
         }
-        self.broadcast(&evs);
+        self.broadcast_local(&evs);
     }
 }

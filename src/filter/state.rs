@@ -25,13 +25,15 @@ pub struct State {
     pub metrics: Metrics,
     /// Routes and client headers of interest, fixed by the configuration.
     pub intercept: Intercept,
-    bus: Box<dyn SharedBus>,
+    pub(super) bus: Box<dyn SharedBus>,
     pub(super) repl: Option<Replicator>,
     /// This VM has routed a request; until then replicated events wait in `backlog`.
     pub(super) serving: bool,
     pub(super) backlog: Backlog,
-    /// Events for the other VMs, sent by `run_deferred`.
+    /// Events for the other VMs, sent by `run_deferred`: this VM's own decisions (shared
+    /// with other gateways through the relay), and what it learnt from the relay (not).
     outbox: Vec<Event>,
+    outbox_local: Vec<Event>,
     wake_pending: bool,
     poller: Poller,
     pub(super) relay: RelayStream,
@@ -144,6 +146,7 @@ impl State {
             serving: false,
             backlog: Backlog::default(),
             outbox: Vec::new(),
+            outbox_local: Vec::new(),
             wake_pending: false,
             poller: Poller {
                 lease_key: format!("{ns}/metrics-poller"),
@@ -162,6 +165,16 @@ impl State {
             return;
         }
         self.outbox.extend_from_slice(evs);
+        self.schedule();
+    }
+
+    /// `broadcast` for events that came from the relay (engines, other gateways): the other
+    /// VMs apply them, the relay is not sent them back.
+    pub(super) fn broadcast_local(&mut self, evs: &[Event]) {
+        if evs.is_empty() {
+            return;
+        }
+        self.outbox_local.extend_from_slice(evs);
         self.schedule();
     }
 
@@ -190,15 +203,25 @@ impl State {
     fn run_deferred(&mut self) {
         self.wake_pending = false;
         self.router.flush();
-        if self.outbox.is_empty() {
-            return;
-        }
-        let evs = core::mem::take(&mut self.outbox);
-        if let Some(r) = &mut self.repl {
+        for shared in [true, false] {
+            let evs = if shared {
+                core::mem::take(&mut self.outbox)
+            } else {
+                core::mem::take(&mut self.outbox_local)
+            };
+            if evs.is_empty() {
+                continue;
+            }
             let msg = events::encode(self.host.now_ns(), &evs);
-            let n = r.broadcast(self.bus.as_ref(), self.host.now_ms(), &msg);
-            self.metrics.repl_sent.add((n * evs.len()) as u64);
+            if let Some(r) = &mut self.repl {
+                let n = r.broadcast(self.bus.as_ref(), self.host.now_ms(), &msg);
+                self.metrics.repl_sent.add((n * evs.len()) as u64);
+            }
+            if shared {
+                self.relay_share(&msg);
+            }
         }
+        self.relay_flush();
     }
 
     pub fn drain(&mut self) {
@@ -208,12 +231,16 @@ impl State {
             if msg.is_empty() {
                 continue; // a wake-up, see defer_flush
             }
+            // Other VMs of this process only ever send their own decisions here (the relay's
+            // events reach them from this VM, the one holding its stream).
+            self.relay_share(&msg);
             if self.serving {
                 self.apply_message(&msg);
             } else {
                 self.backlog.push(msg);
             }
         }
+        self.relay_flush();
     }
 
     /// Called before this VM routes for the first time. Envoy's main-thread VM (and any

@@ -1163,8 +1163,11 @@ fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     );
     assert!(b.f().grpc_opened.is_empty(), "a holds the lease");
     let (tok, msg, end) = a.f().grpc_sent[0].clone();
-    assert_eq!((tok, end), (500, true));
-    assert_eq!(WatchRequest::decode(msg.as_slice()).unwrap().block_size, 16);
+    assert_eq!((tok, end), (500, false), "kept open to share decisions");
+    let req = WatchRequest::decode(msg.as_slice()).unwrap();
+    assert_eq!(req.block_size, 16);
+    assert!(req.gateway.starts_with("kvroute-"), "{}", req.gateway);
+    assert_eq!(req.group, "kvroute");
 
     // Before the snapshot: predictions. A pick confirmed on d0 is held.
     let (mut h, _) = a.post(&"x".repeat(400));
@@ -1336,4 +1339,68 @@ fn text_prompts_route_on_the_engines_token_ids_when_tokenize_is_on() {
     let (h, action) = vm.post("refused");
     assert_eq!(action, Action::Continue);
     assert!(h.decision().is_some());
+}
+
+#[test]
+fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
+    use crate::precise::wire::{PeerDecisions, Phase, WatchRequest};
+    use prost::Message;
+    // Two gateways (Envoy processes): separate buses, each one VM holding its relay stream.
+    let a = Vm::with_bus(PRECISE, Box::new(Process(Rc::new(MemoryBus::default()))));
+    let b = Vm::with_bus(PRECISE, Box::new(Process(Rc::new(MemoryBus::default()))));
+    for vm in [&a, &b] {
+        vm.state.borrow_mut().start_serving();
+        vm.state.borrow_mut().tick();
+        vm.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
+    }
+    let name_a = WatchRequest::decode(a.f().grpc_sent[0].1.as_slice())
+        .unwrap()
+        .gateway;
+    let name_b = WatchRequest::decode(b.f().grpc_sent[0].1.as_slice())
+        .unwrap()
+        .gateway;
+    assert_ne!(name_a, name_b, "each process names itself");
+
+    // A routes and confirms a long prompt; its decisions go to its relay.
+    let prompt = "y".repeat(600);
+    let (mut h, _) = a.post(&prompt);
+    a.answer(&mut h, "200", &[]);
+    a.body_chunk(&mut h, b"{}", false);
+    a.state.borrow_mut().drain();
+    let target = h.decision().unwrap().decode;
+    let decisions: Vec<Vec<u8>> = a
+        .f()
+        .grpc_sent
+        .iter()
+        .skip(1)
+        .flat_map(|(_, m, end)| {
+            assert!(!end);
+            WatchRequest::decode(m.as_slice()).unwrap().decisions
+        })
+        .collect();
+    assert!(!decisions.is_empty());
+    assert!(a.counter("kvroute.peers.sent.total") >= 1);
+
+    // B's relay hands them over: B charges the load and knows the prompt's blocks.
+    let mut u = relay_update(2, Phase::Live, &[]);
+    u.peers = vec![PeerDecisions {
+        gateway: name_a.clone(),
+        decisions,
+        sent_unix_ns: 999_000_000,
+    }];
+    b.relay_update(500, &u);
+    assert!(b.counter("kvroute.peers.received.total") >= 2);
+    assert_eq!(b.recorded("kvroute.peers.delay_us"), Some(1_000));
+    assert_eq!(b.inflight(), 1, "A's request is charged on B");
+    let (hb, _) = b.post(&prompt);
+    assert_eq!(hb.decision().unwrap().decode, target, "B follows A's cache");
+    // B's own decision is not sent back as A's.
+    assert!(b.counter("kvroute.peers.received.total") < 10);
+
+    // A is gone: B releases the load A charged (and only that).
+    let mut u = relay_update(3, Phase::Live, &[]);
+    u.gone = vec![name_a];
+    b.relay_update(500, &u);
+    assert_eq!(b.inflight(), 1, "B's own request stays");
+    assert_eq!(b.counter("kvroute.peers.gone.total"), 1);
 }

@@ -108,6 +108,15 @@ impl Speculative {
         }
     }
 
+    /// Drops every request whose id matches `pred`; returns how many.
+    pub fn drop_matching(&mut self, pred: impl Fn(RequestId) -> bool) -> usize {
+        let ids: Vec<RequestId> = self.reqs.keys().copied().filter(|&id| pred(id)).collect();
+        for id in &ids {
+            self.take(*id);
+        }
+        ids.len()
+    }
+
     /// Drops requests picked at or before `before_ms` (their confirmation or end was lost);
     /// returns how many.
     pub fn expire(&mut self, before_ms: u64) -> usize {
