@@ -26,6 +26,15 @@ OPTIONS:
   --probe-ms N           Probe every engine's replay socket every N ms (default 50; 0: off):
                          a restarted engine is announced cleared within about N ms of it
                          listening again; 3 failed probes in a row mark it stale.
+SHARING (gateways' routing decisions, see README, Sharing decisions):
+  --nats URL             Share decisions with other relays over NATS (nats://HOST:PORT; the
+                         relay starts and reconnects by itself when NATS is down). Without it,
+                         decisions are shared only between streams of this relay.
+  --nats-subject-prefix P
+                         Subjects are P.<16-hex fingerprint of the group> (default
+                         kvroute.decisions).
+  --peer-timeout-ms N    A peer gateway not heard from (decisions or heartbeat) for N ms is
+                         announced gone to local streams (default 3000).
   -h, --help             This help.
 ";
 
@@ -46,6 +55,12 @@ pub struct Config {
     pub metrics: String,
     /// `--probe-ms`.
     pub probe_ms: u64,
+    /// `--nats`.
+    pub nats: Option<String>,
+    /// `--nats-subject-prefix`.
+    pub nats_prefix: String,
+    /// `--peer-timeout-ms`.
+    pub peer_timeout_ms: u64,
 }
 
 /// `Ok(None)` means --help.
@@ -57,6 +72,9 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
     let mut listen = "127.0.0.1:7000".to_owned();
     let mut metrics = "127.0.0.1:7001".to_owned();
     let mut probe_ms = 50u64;
+    let mut nats = None;
+    let mut nats_prefix = crate::share::SUBJECT_PREFIX.to_owned();
+    let mut peer_timeout_ms = crate::share::PEER_TIMEOUT_MS;
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -93,6 +111,33 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
                     .filter(|n| *n <= 60_000)
                     .ok_or_else(|| format!("--probe-ms {v:?}: expected 0..=60000"))?;
             }
+            "--nats" => {
+                let v = value()?;
+                if v.is_empty() || v.contains(char::is_whitespace) {
+                    return Err(format!("--nats {v:?}: expected nats://HOST:PORT"));
+                }
+                nats = Some(v);
+            }
+            "--nats-subject-prefix" => {
+                let v = value()?;
+                let ok = !v.is_empty()
+                    && v.split('.').all(|t| !t.is_empty())
+                    && !v.contains(|c: char| c.is_whitespace() || c == '*' || c == '>');
+                if !ok {
+                    return Err(format!(
+                        "--nats-subject-prefix {v:?}: expected dot-separated tokens without wildcards or spaces"
+                    ));
+                }
+                nats_prefix = v;
+            }
+            "--peer-timeout-ms" => {
+                let v = value()?;
+                peer_timeout_ms = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=3_600_000).contains(n))
+                    .ok_or_else(|| format!("--peer-timeout-ms {v:?}: expected 1..=3600000"))?;
+            }
             _ => return Err(format!("unknown argument {arg:?} (see --help)")),
         }
     }
@@ -123,6 +168,9 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         listen,
         metrics,
         probe_ms,
+        nats,
+        nats_prefix,
+        peer_timeout_ms,
     }))
 }
 
@@ -229,6 +277,17 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(c.probe_ms, 0);
+        assert_eq!(c.nats, None);
+        assert_eq!(c.nats_prefix, "kvroute.decisions");
+        assert_eq!(c.peer_timeout_ms, 3000);
+        let c = parse(args(
+            "--model m --engine w=tcp://h:1 --nats nats://127.0.0.1:4222 --nats-subject-prefix a.b --peer-timeout-ms 500",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.nats.as_deref(), Some("nats://127.0.0.1:4222"));
+        assert_eq!(c.nats_prefix, "a.b");
+        assert_eq!(c.peer_timeout_ms, 500);
     }
 
     #[test]
@@ -245,6 +304,10 @@ mod tests {
             "--model m --engine",
             "--engines-dns h:1",
             "--model m --engine w=tcp://h:1 --probe-ms x",
+            "--model m --engine w=tcp://h:1 --nats-subject-prefix a.*",
+            "--model m --engine w=tcp://h:1 --nats-subject-prefix a..b",
+            "--model m --engine w=tcp://h:1 --peer-timeout-ms 0",
+            "--model m --engine w=tcp://h:1 --nats",
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }

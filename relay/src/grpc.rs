@@ -1,9 +1,14 @@
 //! The `kvroute.relay.v1.Relay/Watch` server stream, written by hand on tonic's server
-//! machinery (no protoc, no codegen): a snapshot first, then coalesced live deltas.
+//! machinery (no protoc, no codegen): bidirectional; a snapshot first, then coalesced live
+//! deltas and the other gateways' decisions; the gateway's later messages carry its decisions.
 
 use crate::hub::{add, now_ns, Change, Hub};
 use crate::index::DeltaBuilder;
+use crate::share::PeerEvent;
 use kvroute::precise::wire::{Phase, Update, WatchRequest, WorkerDelta, METHOD, SERVICE};
+
+/// Peer events gathered into one Update at most.
+pub const PEER_CHUNK: usize = 1024;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -16,7 +21,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::body::BoxBody;
 use tonic::codec::ProstCodec;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 /// Most hashes in one snapshot update.
 pub const SNAPSHOT_CHUNK: usize = 32768;
@@ -46,15 +51,28 @@ struct Watch {
     hub: Arc<Hub>,
 }
 
-impl tonic::server::ServerStreamingService<WatchRequest> for Watch {
+impl tonic::server::StreamingService<WatchRequest> for Watch {
     type Response = Update;
     type ResponseStream = ReceiverStream<Result<Update, Status>>;
     type Future = BoxFuture<Result<Response<Self::ResponseStream>, Status>>;
 
-    fn call(&mut self, request: Request<WatchRequest>) -> Self::Future {
+    fn call(&mut self, request: Request<Streaming<WatchRequest>>) -> Self::Future {
         let hub = self.hub.clone();
         Box::pin(async move {
-            let req = request.into_inner();
+            let mut inbound = request.into_inner();
+            let req = match inbound.message().await? {
+                Some(r) => r,
+                None => {
+                    return Err(Status::invalid_argument(
+                        "no WatchRequest: the first message must name the gateway",
+                    ))
+                }
+            };
+            if req.gateway.is_empty() {
+                return Err(Status::invalid_argument(
+                    "WatchRequest.gateway is empty: the first message must name the gateway",
+                ));
+            }
             if req.block_size != hub.block_size {
                 return Err(Status::failed_precondition(format!(
                     "block_size mismatch: gateway {:?} hashes blocks of {} tokens, this relay re-keys blocks of {} tokens (set the relay's --block-size or the filter's block_size so they agree)",
@@ -62,11 +80,13 @@ impl tonic::server::ServerStreamingService<WatchRequest> for Watch {
                 )));
             }
             eprintln!(
-                "kvroute-relay: stream opened for {:?} (block_size {})",
-                req.gateway, req.block_size
+                "kvroute-relay: stream opened for {:?} (block_size {}, group {:?})",
+                req.gateway, req.block_size, req.group
             );
+            let (id, peers) = hub.share.register(&req.gateway, &req.group);
+            hub.share.local_decisions(id, req.decisions);
             let (tx, rx) = mpsc::channel(4);
-            tokio::spawn(stream_task(hub, req.gateway, tx));
+            tokio::spawn(stream_task(hub, req.gateway, id, peers, inbound, tx));
             Ok(Response::new(ReceiverStream::new(rx)))
         })
     }
@@ -96,7 +116,7 @@ where
                 );
             }
             let mut grpc = tonic::server::Grpc::new(ProstCodec::<Update, WatchRequest>::default());
-            Ok(grpc.server_streaming(Watch { hub }, req).await)
+            Ok(grpc.streaming(Watch { hub }, req).await)
         })
     }
 }
@@ -109,19 +129,62 @@ struct Stream {
 
 impl Stream {
     async fn send(&mut self, phase: Phase, workers: Vec<WorkerDelta>) -> bool {
-        self.seq += 1;
         let u = Update {
-            seq: self.seq,
-            epoch: self.hub.epoch,
             phase: phase as i32,
             workers,
-            sent_unix_ns: now_ns(),
             ..Update::default()
         };
+        self.send_update(u).await
+    }
+
+    async fn send_update(&mut self, mut u: Update) -> bool {
+        self.seq += 1;
+        u.seq = self.seq;
+        u.epoch = self.hub.epoch;
+        u.sent_unix_ns = now_ns();
         if self.tx.send(Ok(u)).await.is_err() {
             return false;
         }
         add(&self.hub.stats.updates_sent, 1);
+        true
+    }
+
+    /// One LIVE Update of `first` and the peer events queued behind it.
+    async fn send_peers(
+        &mut self,
+        first: PeerEvent,
+        queue: &mut mpsc::Receiver<PeerEvent>,
+    ) -> bool {
+        let mut u = Update {
+            phase: Phase::Live as i32,
+            ..Update::default()
+        };
+        let mut next = Some(first);
+        let mut n = 0;
+        while let Some(ev) = next.take() {
+            match ev {
+                PeerEvent::Decisions(p) => u.peers.push(Arc::unwrap_or_clone(p)),
+                PeerEvent::Gone(g) => u.gone.push(g.to_string()),
+            }
+            n += 1;
+            if n < PEER_CHUNK {
+                next = queue.try_recv().ok();
+            }
+        }
+        let sent: Vec<(u64, u64)> = u
+            .peers
+            .iter()
+            .map(|p| (p.sent_unix_ns, p.decisions.len() as u64))
+            .collect();
+        if !self.send_update(u).await {
+            return false;
+        }
+        let now = now_ns();
+        let share = &self.hub.share.stats;
+        for (at, k) in sent {
+            share.delay.observe_ns(now.saturating_sub(at));
+            add(&share.forwarded, k);
+        }
         true
     }
 
@@ -175,20 +238,37 @@ fn names(hub: &Hub) -> Vec<String> {
     hub.lock().workers.iter().map(|w| w.name.clone()).collect()
 }
 
-async fn stream_task(hub: Arc<Hub>, gateway: String, tx: mpsc::Sender<Result<Update, Status>>) {
+async fn stream_task(
+    hub: Arc<Hub>,
+    gateway: String,
+    id: u64,
+    mut peers: mpsc::Receiver<PeerEvent>,
+    mut inbound: Streaming<WatchRequest>,
+    tx: mpsc::Sender<Result<Update, Status>>,
+) {
     add(&hub.stats.streams_open, 1);
     add(&hub.stats.streams_total, 1);
+    // The gateway's later messages: its decisions. A half-close (older filters send one
+    // message) ends only this reader, not the stream.
+    let share = hub.share.clone();
+    let reader = tokio::spawn(async move {
+        while let Ok(Some(m)) = inbound.message().await {
+            share.local_decisions(id, m.decisions);
+        }
+    });
     let mut s = Stream {
         hub: hub.clone(),
         tx,
         seq: 0,
     };
-    live(&mut s).await;
+    live(&mut s, &mut peers).await;
+    reader.abort();
+    hub.share.unregister(id);
     hub.stats.streams_open.fetch_sub(1, Relaxed);
     eprintln!("kvroute-relay: stream for {gateway:?} closed");
 }
 
-async fn live(s: &mut Stream) {
+async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
     let Some(mut rx) = s.snapshot().await else {
         return;
     };
@@ -200,6 +280,12 @@ async fn live(s: &mut Stream) {
         let mut closed = false;
         let first = tokio::select! {
             r = rx.recv() => r,
+            Some(ev) = peers.recv() => {
+                if !s.send_peers(ev, peers).await {
+                    return;
+                }
+                continue;
+            }
             () = s.tx.closed() => return,
         };
         let mut next = Some(first);

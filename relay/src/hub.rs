@@ -1,6 +1,7 @@
 //! Shared state: every engine's index, its stats, and the broadcast of deltas to streams.
 
 use crate::index::{Delta, EngineIndex};
+use crate::share::Share;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -66,6 +67,8 @@ pub struct Hub {
     pub block_size: u32,
     pub epoch: u64,
     pub stats: HubStats,
+    /// Gateways' decisions shared between streams (and relays, with `--nats`).
+    pub share: Arc<Share>,
 }
 
 pub fn now_ms() -> u64 {
@@ -80,7 +83,7 @@ pub fn now_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn random_epoch() -> u64 {
+pub fn random_epoch() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(now_ns());
@@ -108,6 +111,7 @@ impl Hub {
             block_size,
             epoch: random_epoch(),
             stats: HubStats::default(),
+            share: Arc::new(Share::new(random_epoch())),
         })
     }
 

@@ -9,5 +9,6 @@ pub mod hub;
 pub mod index;
 pub mod metrics;
 pub mod msgpack;
+pub mod share;
 pub mod vllm;
 pub mod zmtp;

@@ -50,6 +50,18 @@ async fn run(cfg: Config) -> Result<(), String> {
             "kvroute-relay: built with panic = \"abort\": a panic in an engine's task (the zeromq crate has todo!()s on some socket errors) ends the relay; build with `cargo build --profile relay -p kvroute-relay` (target/relay/kvroute-relay) to restart the task instead"
         );
     }
+    if let Some(url) = cfg.nats.clone() {
+        let opts = kvroute_relay::share::NatsOpts {
+            url,
+            prefix: cfg.nats_prefix.clone(),
+            peer_timeout: Duration::from_millis(cfg.peer_timeout_ms),
+        };
+        kvroute_relay::share::start_nats(hub.share.clone(), opts).await?;
+    } else {
+        eprintln!(
+            "kvroute-relay: no --nats: decisions are shared only between this relay's streams"
+        );
+    }
     let opts = EngineOpts {
         probe_interval: Duration::from_millis(cfg.probe_ms),
         ..EngineOpts::default()

@@ -174,6 +174,8 @@ pub fn render_metrics(hub: &Hub) -> String {
     for (name, kind, help, v) in globals {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
     }
+    drop(st);
+    hub.share.render(&mut o);
     o
 }
 

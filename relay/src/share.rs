@@ -1,0 +1,747 @@
+//! Sharing the gateways' routing decisions (issue 15): among the local Watch streams of a
+//! group, and with `--nats`, with the other relays over NATS (see README "Sharing decisions").
+//!
+//! Nothing here waits on a stream or on NATS: streams get bounded queues (`STREAM_QUEUE`
+//! events) and the NATS publisher a bounded queue (`OUT_QUEUE`); what does not fit is
+//! dropped and counted.
+
+use crate::hub::{add, now_ns};
+use kvroute::precise::wire::PeerDecisions;
+use prost::Message as _;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt as _;
+
+/// Events queued per local stream (peers' decisions and gone gateways).
+pub const STREAM_QUEUE: usize = 8192;
+/// Local decisions queued for the NATS publisher.
+pub const OUT_QUEUE: usize = 65536;
+/// A batch is published this long after its first decision arrived...
+pub const FLUSH_EVERY: Duration = Duration::from_millis(1);
+/// ...or once its decisions reach this many bytes.
+pub const FLUSH_BYTES: usize = 64 * 1024;
+/// Every relay lists its connected gateways (per group) this often.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// Default `--peer-timeout-ms`.
+pub const PEER_TIMEOUT_MS: u64 = 3000;
+/// Default `--nats-subject-prefix`.
+pub const SUBJECT_PREFIX: &str = "kvroute.decisions";
+
+/// The NATS payload (one message per group and flush, or per heartbeat), on subject
+/// `<prefix>.<group_fingerprint(group)>`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ShareMsg {
+    /// Random id of the publishing relay process (a relay ignores its own messages).
+    #[prost(fixed64, tag = "1")]
+    pub relay: u64,
+    /// The gateways' group (`WatchRequest.group`), in full.
+    #[prost(string, tag = "2")]
+    pub group: String,
+    /// Decisions of the relay's local gateways, at most one entry per gateway; its
+    /// `sent_unix_ns` is when the relay received the first of them from the gateway.
+    #[prost(message, repeated, tag = "3")]
+    pub peers: Vec<PeerDecisions>,
+    /// Heartbeat: every gateway of this group connected to the relay.
+    #[prost(string, repeated, tag = "4")]
+    pub alive: Vec<String>,
+    /// Gateways of this group whose stream to the relay closed.
+    #[prost(string, repeated, tag = "5")]
+    pub gone: Vec<String>,
+}
+
+/// 16 hex digits naming a group in NATS subjects (xxh3-64 of the group string).
+pub fn group_fingerprint(group: &str) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(group.as_bytes()))
+}
+
+pub fn subject(prefix: &str, group: &str) -> String {
+    format!("{prefix}.{}", group_fingerprint(group))
+}
+
+/// What a local stream is sent besides KV deltas.
+#[derive(Debug, Clone)]
+pub enum PeerEvent {
+    Decisions(Arc<PeerDecisions>),
+    Gone(Arc<str>),
+}
+
+enum Out {
+    Decisions {
+        group: String,
+        gateway: String,
+        decisions: Vec<Vec<u8>>,
+        at_ns: u64,
+    },
+    Gone {
+        group: String,
+        gateway: String,
+    },
+}
+
+struct Local {
+    gateway: Arc<str>,
+    group: String,
+    tx: mpsc::Sender<PeerEvent>,
+}
+
+#[derive(Default)]
+struct State {
+    next_id: u64,
+    streams: HashMap<u64, Local>,
+    /// Gateways of other relays: (group, gateway) → when last heard from.
+    peers: HashMap<(String, String), Instant>,
+}
+
+/// Upper bounds (ms) of the propagation delay histogram.
+pub const DELAY_BUCKETS_MS: [f64; 13] = [
+    0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+];
+
+#[derive(Default, Debug)]
+pub struct Histogram {
+    buckets: [AtomicU64; DELAY_BUCKETS_MS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe_ns(&self, ns: u64) {
+        let ms = ns as f64 / 1e6;
+        if let Some(i) = DELAY_BUCKETS_MS.iter().position(|b| ms <= *b) {
+            if let Some(b) = self.buckets.get(i) {
+                add(b, 1);
+            }
+        }
+        add(&self.count, 1);
+        add(&self.sum_ns, ns);
+    }
+
+    fn render(&self, o: &mut String, name: &str, help: &str) {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cum = 0;
+        for (b, c) in DELAY_BUCKETS_MS.iter().zip(&self.buckets) {
+            cum += c.load(Relaxed);
+            let _ = writeln!(o, "{name}_bucket{{le=\"{b}\"}} {cum}");
+        }
+        let count = self.count.load(Relaxed);
+        let sum = self.sum_ns.load(Relaxed) as f64 / 1e6;
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{le=\"+Inf\"}} {count}\n{name}_sum {sum}\n{name}_count {count}"
+        );
+    }
+}
+
+#[derive(Default, Debug)]
+pub struct ShareStats {
+    /// Decisions received from local gateways.
+    pub local: AtomicU64,
+    /// Decisions published to NATS.
+    pub published: AtomicU64,
+    /// NATS messages published (batches and heartbeats).
+    pub messages_published: AtomicU64,
+    /// Decisions received from other relays.
+    pub from_nats: AtomicU64,
+    /// Decisions sent to local streams (one per decision and stream).
+    pub forwarded: AtomicU64,
+    /// Decisions dropped: a stream's queue was full.
+    pub dropped_stream: AtomicU64,
+    /// Decisions dropped: the NATS queue was full.
+    pub dropped_queue: AtomicU64,
+    /// Decisions dropped: NATS disconnected (or the publish failed).
+    pub dropped_nats: AtomicU64,
+    /// Gone events dropped (a stream's queue was full).
+    pub dropped_gone: AtomicU64,
+    pub nats_connected: AtomicBool,
+    pub nats_errors: AtomicU64,
+    /// NATS messages that did not decode.
+    pub bad_messages: AtomicU64,
+    /// Gone announcements to local streams, by cause.
+    pub gone_local: AtomicU64,
+    pub gone_remote: AtomicU64,
+    pub gone_timeout: AtomicU64,
+    /// sent_unix_ns → the Update holding it handed to the stream.
+    pub delay: Histogram,
+}
+
+pub struct Share {
+    /// Random per relay process; in every NATS message it publishes.
+    pub relay_id: u64,
+    state: Mutex<State>,
+    pub stats: ShareStats,
+    out: OnceLock<mpsc::Sender<Out>>,
+    peer_timeout_ms: AtomicU64,
+    /// Set once the NATS connection was lost (so the next connect logs "recovered").
+    lost: AtomicBool,
+}
+
+/// `--nats` and friends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsOpts {
+    pub url: String,
+    pub prefix: String,
+    pub peer_timeout: Duration,
+}
+
+impl Share {
+    pub fn new(relay_id: u64) -> Share {
+        Share {
+            relay_id,
+            state: Mutex::default(),
+            stats: ShareStats::default(),
+            out: OnceLock::new(),
+            peer_timeout_ms: AtomicU64::new(PEER_TIMEOUT_MS),
+            lost: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A local stream opened: returns its id and the queue of its peer events.
+    pub fn register(&self, gateway: &str, group: &str) -> (u64, mpsc::Receiver<PeerEvent>) {
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let mut st = self.lock();
+        st.next_id += 1;
+        let id = st.next_id;
+        st.streams.insert(
+            id,
+            Local {
+                gateway: gateway.into(),
+                group: group.to_owned(),
+                tx,
+            },
+        );
+        (id, rx)
+    }
+
+    /// A local stream closed: its gateway is gone for the other local streams of its group
+    /// and (published at once) for the other relays.
+    pub fn unregister(&self, id: u64) {
+        let mut st = self.lock();
+        let Some(l) = st.streams.remove(&id) else {
+            return;
+        };
+        // Another stream of the same gateway (a reconnect racing the old stream's end)?
+        if st
+            .streams
+            .values()
+            .any(|o| o.gateway == l.gateway && o.group == l.group)
+        {
+            return;
+        }
+        add(&self.stats.gone_local, 1);
+        self.fanout(&st, &l.group, None, &PeerEvent::Gone(l.gateway.clone()));
+        drop(st);
+        if let Some(out) = self.out.get() {
+            let _ = out.try_send(Out::Gone {
+                group: l.group,
+                gateway: l.gateway.to_string(),
+            });
+        }
+    }
+
+    /// Sends `ev` to every local stream of `group` but `except`; never waits.
+    fn fanout(&self, st: &State, group: &str, except: Option<u64>, ev: &PeerEvent) {
+        for (id, l) in &st.streams {
+            if Some(*id) == except || l.group != group {
+                continue;
+            }
+            if l.tx.try_send(ev.clone()).is_err() {
+                match ev {
+                    PeerEvent::Decisions(p) => {
+                        add(&self.stats.dropped_stream, p.decisions.len() as u64)
+                    }
+                    PeerEvent::Gone(_) => add(&self.stats.dropped_gone, 1),
+                }
+            }
+        }
+    }
+
+    /// Decisions from local stream `id`: to the other local streams of its group and to NATS.
+    pub fn local_decisions(&self, id: u64, mut decisions: Vec<Vec<u8>>) {
+        if decisions.is_empty() {
+            return;
+        }
+        let n = decisions.len() as u64;
+        add(&self.stats.local, n);
+        let at_ns = now_ns();
+        let st = self.lock();
+        let Some(l) = st.streams.get(&id) else {
+            return;
+        };
+        let (gateway, group) = (l.gateway.to_string(), l.group.clone());
+        let local_peers = st.streams.iter().any(|(o, x)| *o != id && x.group == group);
+        let out = self.out.get();
+        if local_peers {
+            let ds = if out.is_some() {
+                decisions.clone()
+            } else {
+                std::mem::take(&mut decisions)
+            };
+            let p = Arc::new(PeerDecisions {
+                gateway: gateway.clone(),
+                decisions: ds,
+                sent_unix_ns: at_ns,
+            });
+            self.fanout(&st, &group, Some(id), &PeerEvent::Decisions(p));
+        }
+        drop(st);
+        let Some(out) = out else {
+            return;
+        };
+        if !self.stats.nats_connected.load(Relaxed) {
+            add(&self.stats.dropped_nats, n);
+            return;
+        }
+        let msg = Out::Decisions {
+            group,
+            gateway,
+            decisions,
+            at_ns,
+        };
+        if out.try_send(msg).is_err() {
+            add(&self.stats.dropped_queue, n);
+        }
+    }
+
+    /// A message from another relay.
+    pub fn on_remote(&self, msg: ShareMsg) {
+        if msg.relay == self.relay_id {
+            return;
+        }
+        let mut st = self.lock();
+        if !st.streams.values().any(|l| l.group == msg.group) {
+            return;
+        }
+        let now = Instant::now();
+        let group = msg.group;
+        for gw in msg.alive {
+            st.peers.insert((group.clone(), gw), now);
+        }
+        for p in msg.peers {
+            add(&self.stats.from_nats, p.decisions.len() as u64);
+            st.peers.insert((group.clone(), p.gateway.clone()), now);
+            self.fanout(&st, &group, None, &PeerEvent::Decisions(Arc::new(p)));
+        }
+        for gw in msg.gone {
+            let key = (group.clone(), gw);
+            if st.peers.remove(&key).is_some() {
+                add(&self.stats.gone_remote, 1);
+                self.fanout(&st, &group, None, &PeerEvent::Gone(key.1.into()));
+            }
+        }
+    }
+
+    /// Announces peers silent for longer than the peer timeout as gone (once each).
+    pub fn reap(&self) {
+        let timeout = Duration::from_millis(self.peer_timeout_ms.load(Relaxed));
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        let streams = &st.streams;
+        st.peers.retain(|(group, gw), last| {
+            if !streams.values().any(|l| &l.group == group) {
+                return false;
+            }
+            if now.duration_since(*last) > timeout {
+                expired.push((group.clone(), gw.clone()));
+                return false;
+            }
+            true
+        });
+        for (group, gw) in expired {
+            add(&self.stats.gone_timeout, 1);
+            self.fanout(st, &group, None, &PeerEvent::Gone(gw.into()));
+        }
+    }
+
+    /// Local gateways per group (for heartbeats).
+    fn local_groups(&self) -> Vec<(String, Vec<String>)> {
+        let st = self.lock();
+        let mut m: HashMap<&str, Vec<String>> = HashMap::new();
+        for l in st.streams.values() {
+            let v = m.entry(l.group.as_str()).or_default();
+            if !v.iter().any(|g| **g == *l.gateway) {
+                v.push(l.gateway.to_string());
+            }
+        }
+        m.into_iter().map(|(g, v)| (g.to_owned(), v)).collect()
+    }
+
+    pub fn peers_known(&self) -> usize {
+        self.lock().peers.len()
+    }
+
+    pub fn nats_enabled(&self) -> bool {
+        self.out.get().is_some()
+    }
+
+    fn nats_event(&self, ev: &async_nats::Event) {
+        match ev {
+            async_nats::Event::Connected => {
+                if !self.stats.nats_connected.swap(true, Relaxed) {
+                    if self.lost.load(Relaxed) {
+                        eprintln!("kvroute-relay: NATS connection recovered; sharing resumes");
+                    } else {
+                        eprintln!("kvroute-relay: connected to NATS");
+                    }
+                }
+            }
+            async_nats::Event::Disconnected => {
+                add(&self.stats.nats_errors, 1);
+                if self.stats.nats_connected.swap(false, Relaxed) {
+                    self.lost.store(true, Relaxed);
+                    eprintln!(
+                        "kvroute-relay: NATS connection lost; reconnecting (decisions are not shared meanwhile, peers become gone after the peer timeout)"
+                    );
+                }
+            }
+            async_nats::Event::Closed
+            | async_nats::Event::SlowConsumer(_)
+            | async_nats::Event::ServerError(_)
+            | async_nats::Event::ClientError(_) => add(&self.stats.nats_errors, 1),
+            async_nats::Event::LameDuckMode | async_nats::Event::Draining => {}
+        }
+    }
+
+    /// Prometheus text of the sharing metrics.
+    pub fn render(&self, o: &mut String) {
+        let s = &self.stats;
+        let counters: [(&str, &str, u64); 6] = [
+            (
+                "kvroute_relay_decisions_local_total",
+                "Decisions received from local gateways",
+                s.local.load(Relaxed),
+            ),
+            (
+                "kvroute_relay_decisions_published_total",
+                "Decisions published to NATS",
+                s.published.load(Relaxed),
+            ),
+            (
+                "kvroute_relay_nats_messages_published_total",
+                "NATS messages published (decision batches, gone, heartbeats)",
+                s.messages_published.load(Relaxed),
+            ),
+            (
+                "kvroute_relay_decisions_nats_received_total",
+                "Decisions received from other relays over NATS",
+                s.from_nats.load(Relaxed),
+            ),
+            (
+                "kvroute_relay_decisions_forwarded_total",
+                "Decisions sent to local streams (one per decision and stream)",
+                s.forwarded.load(Relaxed),
+            ),
+            (
+                "kvroute_relay_nats_errors_total",
+                "NATS disconnects, client/server errors, failed publishes, undecodable messages",
+                s.nats_errors.load(Relaxed) + s.bad_messages.load(Relaxed),
+            ),
+        ];
+        for (name, help, v) in counters {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        }
+        let name = "kvroute_relay_decisions_dropped_total";
+        let _ = writeln!(
+            o,
+            "# HELP {name} Decisions dropped (reason: stream_queue full, nats_queue full, nats_down) and gone events dropped (gone_event)\n# TYPE {name} counter"
+        );
+        for (reason, v) in [
+            ("stream_queue", &s.dropped_stream),
+            ("nats_queue", &s.dropped_queue),
+            ("nats_down", &s.dropped_nats),
+            ("gone_event", &s.dropped_gone),
+        ] {
+            let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
+        }
+        let name = "kvroute_relay_gone_announcements_total";
+        let _ = writeln!(
+            o,
+            "# HELP {name} Gateways announced gone to local streams (cause: local stream closed, remote relay said so, peer timeout)\n# TYPE {name} counter"
+        );
+        for (cause, v) in [
+            ("local", &s.gone_local),
+            ("remote", &s.gone_remote),
+            ("timeout", &s.gone_timeout),
+        ] {
+            let _ = writeln!(o, "{name}{{cause=\"{cause}\"}} {}", v.load(Relaxed));
+        }
+        let gauges = [
+            (
+                "kvroute_relay_nats_connected",
+                "1 while connected to NATS (0 also without --nats)",
+                u64::from(s.nats_connected.load(Relaxed)),
+            ),
+            (
+                "kvroute_relay_peers_known",
+                "Gateways of other relays heard from within the peer timeout",
+                self.peers_known() as u64,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        s.delay.render(
+            o,
+            "kvroute_relay_decision_propagation_ms",
+            "Delay from a decision's sent_unix_ns to its Update handed to a local stream, ms",
+        );
+    }
+}
+
+/// Connects to NATS (in the background: the relay starts even when NATS is down; the client
+/// reconnects by itself) and starts the publisher, the subscriber and the peer reaper.
+pub async fn start_nats(share: Arc<Share>, opts: NatsOpts) -> Result<(), String> {
+    share
+        .peer_timeout_ms
+        .store(opts.peer_timeout.as_millis() as u64, Relaxed);
+    let (tx, rx) = mpsc::channel(OUT_QUEUE);
+    if share.out.set(tx).is_err() {
+        return Err("NATS sharing started twice".to_owned());
+    }
+    let s = share.clone();
+    let client = async_nats::ConnectOptions::new()
+        .name("kvroute-relay")
+        .no_echo()
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((50 * attempts as u64).clamp(50, 1000))
+        })
+        .event_callback(move |ev| {
+            s.nats_event(&ev);
+            async {}
+        })
+        .connect(opts.url.as_str())
+        .await
+        .map_err(|e| format!("--nats {}: {e}", opts.url))?;
+    let wildcard = format!("{}.*", opts.prefix);
+    let sub = client
+        .subscribe(wildcard.clone())
+        .await
+        .map_err(|e| format!("--nats {}: subscribe {wildcard}: {e}", opts.url))?;
+    eprintln!(
+        "kvroute-relay: sharing decisions over NATS {} (subjects {wildcard}, relay id {:016x}, peer timeout {} ms)",
+        opts.url,
+        share.relay_id,
+        opts.peer_timeout.as_millis()
+    );
+    tokio::spawn(publisher(share.clone(), client, opts.prefix, rx));
+    tokio::spawn(receiver(share.clone(), sub));
+    tokio::spawn(reaper(share, opts.peer_timeout));
+    Ok(())
+}
+
+async fn receiver(share: Arc<Share>, mut sub: async_nats::Subscriber) {
+    while let Some(m) = sub.next().await {
+        match ShareMsg::decode(m.payload) {
+            Ok(msg) => share.on_remote(msg),
+            Err(_) => add(&share.stats.bad_messages, 1),
+        }
+    }
+}
+
+async fn reaper(share: Arc<Share>, timeout: Duration) {
+    let mut t = tokio::time::interval(
+        (timeout / 10).clamp(Duration::from_millis(10), Duration::from_millis(100)),
+    );
+    t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        t.tick().await;
+        share.reap();
+    }
+}
+
+#[derive(Default)]
+struct Batch {
+    peers: Vec<PeerDecisions>,
+    by_gateway: HashMap<String, usize>,
+    bytes: usize,
+    gone: Vec<String>,
+}
+
+async fn publisher(
+    share: Arc<Share>,
+    client: async_nats::Client,
+    prefix: String,
+    mut rx: mpsc::Receiver<Out>,
+) {
+    let mut batches: HashMap<String, Batch> = HashMap::new();
+    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut hb = tokio::time::interval(HEARTBEAT);
+    hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        let wait = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            m = rx.recv() => {
+                let Some(m) = m else { return };
+                match m {
+                    Out::Decisions { group, gateway, decisions, at_ns } => {
+                        let b = batches.entry(group.clone()).or_default();
+                        b.bytes += decisions.iter().map(|d| d.len() + 4).sum::<usize>();
+                        match b.by_gateway.get(&gateway) {
+                            Some(&i) => {
+                                if let Some(p) = b.peers.get_mut(i) {
+                                    p.decisions.extend(decisions);
+                                }
+                            }
+                            None => {
+                                b.bytes += gateway.len() + 16;
+                                b.by_gateway.insert(gateway.clone(), b.peers.len());
+                                b.peers.push(PeerDecisions { gateway, decisions, sent_unix_ns: at_ns });
+                            }
+                        }
+                        if b.bytes >= FLUSH_BYTES {
+                            if let Some(b) = batches.remove(&group) {
+                                flush(&share, &client, &prefix, group, b).await;
+                            }
+                        } else if deadline.is_none() {
+                            deadline = Some(tokio::time::Instant::now() + FLUSH_EVERY);
+                        }
+                    }
+                    Out::Gone { group, gateway } => {
+                        // Published at once (with whatever decisions precede it).
+                        let mut b = batches.remove(&group).unwrap_or_default();
+                        b.gone.push(gateway);
+                        flush(&share, &client, &prefix, group, b).await;
+                    }
+                }
+            }
+            () = wait => {
+                deadline = None;
+                for (group, b) in std::mem::take(&mut batches) {
+                    flush(&share, &client, &prefix, group, b).await;
+                }
+            }
+            _ = hb.tick() => {
+                if !share.stats.nats_connected.load(Relaxed) {
+                    continue;
+                }
+                for (group, alive) in share.local_groups() {
+                    let msg = ShareMsg { relay: share.relay_id, alive, ..ShareMsg::default() };
+                    let msg = ShareMsg { group, ..msg };
+                    publish(&share, &client, &prefix, &msg).await;
+                }
+            }
+        }
+    }
+}
+
+async fn flush(share: &Share, client: &async_nats::Client, prefix: &str, group: String, b: Batch) {
+    let n: u64 = b.peers.iter().map(|p| p.decisions.len() as u64).sum();
+    if !share.stats.nats_connected.load(Relaxed) {
+        add(&share.stats.dropped_nats, n);
+        return;
+    }
+    let msg = ShareMsg {
+        relay: share.relay_id,
+        group,
+        peers: b.peers,
+        alive: Vec::new(),
+        gone: b.gone,
+    };
+    if publish(share, client, prefix, &msg).await {
+        add(&share.stats.published, n);
+    } else {
+        add(&share.stats.dropped_nats, n);
+    }
+}
+
+async fn publish(share: &Share, client: &async_nats::Client, prefix: &str, msg: &ShareMsg) -> bool {
+    let subject = subject(prefix, &msg.group);
+    match client.publish(subject, msg.encode_to_vec().into()).await {
+        Ok(()) => {
+            add(&share.stats.messages_published, 1);
+            true
+        }
+        Err(_) => {
+            add(&share.stats.nats_errors, 1);
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_and_payload() {
+        assert_eq!(group_fingerprint("g").len(), 16);
+        assert_ne!(group_fingerprint("a"), group_fingerprint("b"));
+        assert!(subject("kvroute.decisions", "x").starts_with("kvroute.decisions."));
+        let m = ShareMsg {
+            relay: 7,
+            group: "g".into(),
+            peers: vec![PeerDecisions {
+                gateway: "p".into(),
+                decisions: vec![vec![1, 2]],
+                sent_unix_ns: 3,
+            }],
+            alive: vec!["a".into()],
+            gone: vec!["z".into()],
+        };
+        let b = m.encode_to_vec();
+        assert_eq!(ShareMsg::decode(b.as_slice()).ok(), Some(m));
+    }
+
+    #[tokio::test]
+    async fn local_sharing_and_gone() {
+        let s = Share::new(1);
+        let (a, _ra) = s.register("a", "g");
+        let (_b, mut rb) = s.register("b", "g");
+        let (_c, mut rc) = s.register("c", "other");
+        s.local_decisions(a, vec![vec![1], vec![2]]);
+        match rb.try_recv() {
+            Ok(PeerEvent::Decisions(p)) => {
+                assert_eq!(p.gateway, "a");
+                assert_eq!(p.decisions, vec![vec![1], vec![2]]);
+            }
+            e => panic!("{e:?}"),
+        }
+        assert!(rc.try_recv().is_err());
+        s.unregister(a);
+        assert!(matches!(rb.try_recv(), Ok(PeerEvent::Gone(g)) if &*g == "a"));
+        assert!(rc.try_recv().is_err());
+        // Remote peers: known only for groups with local streams; gone once after timeout.
+        s.on_remote(ShareMsg {
+            relay: 2,
+            group: "g".into(),
+            alive: vec!["r".into()],
+            ..ShareMsg::default()
+        });
+        s.on_remote(ShareMsg {
+            relay: 2,
+            group: "nobody".into(),
+            alive: vec!["q".into()],
+            ..ShareMsg::default()
+        });
+        s.on_remote(ShareMsg {
+            relay: 1,
+            group: "g".into(),
+            alive: vec!["mine".into()],
+            ..ShareMsg::default()
+        });
+        assert_eq!(s.peers_known(), 1);
+        s.peer_timeout_ms.store(0, Relaxed);
+        std::thread::sleep(Duration::from_millis(2));
+        s.reap();
+        s.reap();
+        assert!(matches!(rb.try_recv(), Ok(PeerEvent::Gone(g)) if &*g == "r"));
+        assert!(rb.try_recv().is_err());
+        assert_eq!(s.peers_known(), 0);
+    }
+}
