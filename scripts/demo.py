@@ -247,9 +247,10 @@ def worker_command(w: envoyconf.Upstream, fleet: list[envoyconf.Upstream]) -> li
     return cmd
 
 
-def relay_command(fleet: list[envoyconf.Upstream]) -> list[str]:
+def relay_command(fleet: list[envoyconf.Upstream], port_offset: int = 0) -> list[str]:
     cmd = [kvstack.RELAY, "--model", MOCK_MODEL, "--block-size", "16",
-           "--listen", f"127.0.0.1:{RELAY_PORTS[0]}", "--metrics", f"127.0.0.1:{RELAY_PORTS[1]}"]
+           "--listen", f"127.0.0.1:{RELAY_PORTS[0] + port_offset}",
+           "--metrics", f"127.0.0.1:{RELAY_PORTS[1] + port_offset}"]
     for name, port in kv_event_ports(fleet).items():
         cmd += ["--engine", f"{name}=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{port + REPLAY_OFFSET}"]
     return cmd
@@ -294,43 +295,68 @@ def run_llama() -> int:
     return 0
 
 
+REPLICAS = int(os.environ.get("REPLICAS") or 1)
+NATS_PORT = 4222
+
+
+def replica_bootstrap(i: int) -> dict:
+    """Gateway `i` of `make run REPLICAS=n`: Envoy on 10000+10i (admin 9901+10i) with its own
+    kvroute-relay on 7000+10i, the plugin configured as envoy/demo-precise.yaml's."""
+    site = envoyconf.Site(listen=("127.0.0.1", 10000 + 10 * i), admin=("127.0.0.1", 9901 + 10 * i),
+                          relay=("127.0.0.1", RELAY_PORTS[0] + 10 * i),
+                          wasm=os.path.join(ROOT, "build", "kvroute.wasm"))
+    plugin = envoyconf.shipped()["envoy/demo-precise.yaml"][2]
+    return envoyconf.bootstrap(site, DEMO_WORKERS, plugin)
+
+
+def spawn(cmd: list[str], log_name: str) -> subprocess.Popen:
+    log = open(os.path.join(RUN_DIR, log_name), "wb")
+    # Envoy exits with SIGTERM when the process that started it exits, so a shell that waits
+    # for it stays behind as its parent; `stop` signals the whole process group.
+    return subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", *cmd], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def run() -> int:
     if ENGINE == "llama":
         return run_llama()
     stop(quiet=True)
     os.makedirs(RUN_DIR, exist_ok=True)
-    pids = []
-    for w in DEMO_WORKERS:
-        log = open(os.path.join(RUN_DIR, f"{w.name}.log"), "wb")
-        p = subprocess.Popen(worker_command(w, DEMO_WORKERS), stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        pids.append(p.pid)
-    if PRECISE:
-        log = open(os.path.join(RUN_DIR, "relay.log"), "wb")
-        p = subprocess.Popen(relay_command(DEMO_WORKERS), stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        pids.append(p.pid)
-    log = open(os.path.join(RUN_DIR, "envoy.log"), "wb")
-    # Envoy exits with SIGTERM when the process that started it exits, so a shell that waits
-    # for it stays behind as its parent; `stop` signals the whole process group.
-    e = subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", kvstack.ENVOY, "-c",
-                          os.path.join(ROOT, "envoy", "demo-precise.yaml" if PRECISE else "demo.yaml"),
-                          "--concurrency", "2"],
-                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    pids.append(e.pid)
+    procs = [spawn(worker_command(w, DEMO_WORKERS), f"{w.name}.log") for w in DEMO_WORKERS]
+    envoys = []
+    if REPLICAS > 1:
+        procs.append(spawn([kvstack.NATS_SERVER, "-a", "127.0.0.1", "-p", str(NATS_PORT)], "nats.log"))
+        wait_port(NATS_PORT, proc=procs[-1])
+        for i in range(REPLICAS):
+            cmd = relay_command(DEMO_WORKERS if PRECISE else [], port_offset=10 * i)
+            procs.append(spawn(cmd + ["--nats", f"nats://127.0.0.1:{NATS_PORT}"], f"relay-{i}.log"))
+            conf = os.path.join(RUN_DIR, f"envoy-{i}.yaml")
+            with open(conf, "w") as f:
+                f.write(envoyconf.to_yaml(replica_bootstrap(i)))
+            envoys.append(spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2", "--base-id", str(10 + i)],
+                                f"envoy-{i}.log"))
+    else:
+        if PRECISE:
+            procs.append(spawn(relay_command(DEMO_WORKERS), "relay.log"))
+        conf = os.path.join(ROOT, "envoy", "demo-precise.yaml" if PRECISE else "demo.yaml")
+        envoys.append(spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log"))
     with open(os.path.join(RUN_DIR, "pids"), "w") as f:
-        f.write("\n".join(map(str, pids)))
+        f.write("\n".join(str(p.pid) for p in procs + envoys))
     for w in DEMO_WORKERS:
         wait_port(w.port)
-    wait_port(10000, proc=e)
-    print("kvroute stack running: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
+    for i, e in enumerate(envoys):
+        wait_port(10000 + 10 * i, proc=e)
+    for i in range(REPLICAS):
+        print(f"kvroute gateway {i}: Envoy http://127.0.0.1:{10000 + 10 * i} (admin http://127.0.0.1:{9901 + 10 * i})")
     print("  decode workers 127.0.0.1:8001-8004, prefill pool 127.0.0.1:8101-8102; logs in build/run/")
+    if REPLICAS > 1:
+        print(f"  gateways share decisions: nats-server 127.0.0.1:{NATS_PORT}, one kvroute-relay each on "
+              + ", ".join(f"127.0.0.1:{RELAY_PORTS[0] + 10 * i}" for i in range(REPLICAS)))
     if PRECISE:
-        wait_port(RELAY_PORTS[0])
         print(f"  precise mode: KV events on tcp://127.0.0.1:5557-5562, kvroute-relay gRPC 127.0.0.1:{RELAY_PORTS[0]}, "
-              f"metrics http://127.0.0.1:{RELAY_PORTS[1]}/metrics (engine events apply to token-id prompts "
-              f"of model {MOCK_MODEL})")
-    print("  try: curl -si localhost:10000/v1/completions -d '{\"prompt\":\"hello\",\"max_tokens\":8}'")
+              f"metrics http://127.0.0.1:{RELAY_PORTS[1]}/metrics (text prompts are tokenized by the engines first)")
+    print("  try: curl -si localhost:10000/v1/completions "
+          f"-d '{{\"model\":\"{MOCK_MODEL}\",\"prompt\":\"hello\",\"max_tokens\":8}}'")
     print("  stop with: make stop")
     return 0
 

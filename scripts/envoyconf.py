@@ -614,7 +614,10 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
         "kvroute-relay subscribes to them and serves them on 127.0.0.1:7000 (metrics :7001); the",
         "filter holds one gRPC stream to it per Envoy process and routes on what the engines",
         "report holding. Without the relay it routes on its own predictions, as envoy/demo.yaml."])
-    precise_plugin = {**demo_plugin, "relay": {"cluster": RELAY_CLUSTER}}
+    # Text prompts must be tokenized for the engines' events to match them: the first decode
+    # worker's cluster (which fails over to the pool) answers POST /tokenize.
+    precise_plugin = {**demo_plugin, "relay": {"cluster": RELAY_CLUSTER},
+                      "tokenize": {"cluster": demo_plugin["workers"][0]["cluster"], "timeout_ms": 100}}
     compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS}
     return {
         "envoy/demo.yaml": (demo, demo_fleet(), demo_plugin),

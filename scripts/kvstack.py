@@ -25,6 +25,7 @@ import envoyconf  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
 RELAY = os.path.join(ROOT, "target", "relay", "kvroute-relay")
+NATS_SERVER = os.environ.get("NATS_SERVER", os.path.join(ROOT, ".venv", "bin", "nats-server"))
 WASM = os.environ.get("KVROUTE_WASM", os.path.join(ROOT, "build", "kvroute.wasm"))
 ENVOY = os.environ.get("ENVOY_BIN", os.path.join(ROOT, ".venv", "bin", "envoy"))
 
@@ -186,8 +187,9 @@ class Relay:
     """kvroute-relay subscribed to the KV events of `workers` (each with `kv_events` set)."""
 
     def __init__(self, workers: list[Worker], model: str = "mock-model", port: int = 0, metrics_port: int = 0,
-                 block_size: int = 16):
+                 block_size: int = 16, nats: str | None = None):
         self.workers = workers
+        self.nats = nats
         self.model = model
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -197,6 +199,8 @@ class Relay:
     def command(self) -> list[str]:
         cmd = [RELAY, "--model", self.model, "--block-size", str(self.block_size),
                "--listen", f"127.0.0.1:{self.port}", "--metrics", f"127.0.0.1:{self.metrics_port}"]
+        if self.nats:
+            cmd += ["--nats", self.nats]
         for w in self.workers:
             spec = f"{w.name}=tcp://127.0.0.1:{w.kv_events}"
             if w.kv_replay:
@@ -204,8 +208,8 @@ class Relay:
             cmd += ["--engine", spec]
         return cmd
 
-    def start(self, log_dir: str) -> None:
-        log = open(os.path.join(log_dir, "relay.log"), "ab")
+    def start(self, log_dir: str, name: str = "relay") -> None:
+        log = open(os.path.join(log_dir, f"{name}.log"), "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         wait_port(self.port, proc=self.proc)
 
@@ -225,6 +229,72 @@ class Relay:
                 except ValueError:
                     pass
         return out
+
+
+class Nats:
+    """nats-server on a loopback port (gateway replicas share decisions through it)."""
+
+    def __init__(self, port: int = 0):
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: str) -> "Nats":
+        log = open(os.path.join(log_dir, "nats.log"), "ab")
+        self.proc = subprocess.Popen([NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        wait_port(self.port, proc=self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Replicas:
+    """`n` gateways (Envoy with kvroute, each with its own kvroute-relay) in front of one
+    fleet; the relays share the gateways' decisions over one nats-server. With `precise` the
+    workers publish KV events and every relay subscribes to all of them."""
+
+    def __init__(self, workers: list[Worker], n: int = 2, kvroute: dict | None = None, precise: bool = False,
+                 concurrency: int = 2, speedup: float = 20.0, share: bool = True):
+        self.workers = with_kv_events(workers) if precise else workers
+        self.nats = Nats()
+        self.gateways: list[Stack] = []
+        for _ in range(n):
+            g = Stack(self.workers, kvroute={**(kvroute or {}),
+                                             "relay": {"share_decisions": share}},
+                      concurrency=concurrency, speedup=speedup)
+            g.relay = Relay(self.workers if precise else [], nats=self.nats.url)
+            g.dir = self.gateways[0].dir if self.gateways else g.dir
+            self.gateways.append(g)
+        self.dir = self.gateways[0].dir
+
+    def start(self) -> "Replicas":
+        first = self.gateways[0]
+        first.start_workers()
+        self.nats.start(self.dir)
+        for i, g in enumerate(self.gateways):
+            g.relay.start(self.dir, name=f"relay-{i}")
+            g.start_envoy(log_name=f"envoy-{i}")
+        return self
+
+    def stop(self) -> None:
+        for g in self.gateways:
+            g.stop(workers=False)
+        self.nats.stop()
+        for w in self.workers:
+            w.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def with_kv_events(workers: list[Worker]) -> list[Worker]:
@@ -256,6 +326,12 @@ class Stack:
         self.kvroute: dict | None = None
 
     def start(self) -> "Stack":
+        self.start_workers()
+        if self.relay:
+            self.relay.start(self.dir)
+        return self.start_envoy()
+
+    def start_workers(self) -> None:
         for w in self.workers:
             w.port = w.port or free_port()
         decode = [w.endpoint for w in self.workers if w.role != "prefill"]
@@ -266,11 +342,8 @@ class Stack:
             w.start(self.speedup, self.dir)
         for w in self.workers:
             wait_port(w.port, proc=w.proc)
-        if self.relay:
-            self.relay.start(self.dir)
-        return self.start_envoy()
 
-    def start_envoy(self, extra_args: tuple = ()) -> "Stack":
+    def start_envoy(self, extra_args: tuple = (), log_name: str = "envoy") -> "Stack":
         """Only Envoy, in front of workers that are already running."""
         self.kvroute = None if self.kvroute_overrides is None else kvroute_config(self.workers, **self.kvroute_overrides)
         site = self.site
@@ -278,10 +351,11 @@ class Stack:
             self.kvroute.setdefault("relay", {}).setdefault("cluster", envoyconf.RELAY_CLUSTER)
             site = {**(site or {}), "relay": ("127.0.0.1", self.relay.port)}
         cfg = envoy_config(self.workers, self.listen, self.admin, self.kvroute, self.policy, site)
-        path = os.path.join(self.dir, "envoy.json")
+        self.log_name = log_name
+        path = os.path.join(self.dir, f"{log_name}.json")
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
-        log = open(os.path.join(self.dir, "envoy.log"), "wb")
+        log = open(os.path.join(self.dir, f"{log_name}.log"), "wb")
         self.envoy = subprocess.Popen(
             [ENVOY, "-c", path, "--concurrency", str(self.concurrency), "-l", "info",
              "--base-id", str(self.listen), *extra_args],
@@ -335,7 +409,7 @@ class Stack:
         self.stop()
 
     def envoy_log(self) -> str:
-        with open(os.path.join(self.dir, "envoy.log"), errors="replace") as f:
+        with open(os.path.join(self.dir, f"{getattr(self, 'log_name', 'envoy')}.log"), errors="replace") as f:
             return f.read()
 
     def post(self, path: str, body, headers: dict | None = None, timeout: float = 60.0):

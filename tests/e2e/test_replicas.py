@@ -1,0 +1,131 @@
+"""Gateway replicas that route as one: two Envoys with kvroute in front of one mock fleet,
+each with its own kvroute-relay; the relays share the gateways' decisions over a real
+nats-server. A conversation whose turns alternate between the gateways (as a cloud load
+balancer spreads them) must keep landing on the worker that holds it, read from the
+worker's own `x-worker-id`. Outages of NATS or of a gateway must fail no request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from kvstack import NATS_SERVER, RELAY, Replicas, Stack, Worker, text  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (os.path.exists(RELAY) and os.path.exists(NATS_SERVER)),
+                                reason="kvroute-relay or nats-server missing (make relay nats)")
+
+CHAT = "/v1/chat/completions"
+
+
+def fleet(n: int = 4) -> list[Worker]:
+    return [Worker(f"decode-{i}", role="decode") for i in range(1, n + 1)]
+
+
+def wait_live(g: Stack, timeout: float = 15.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if g.stats().get("kvroute_precise_stream_live", 0) >= 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"relay stream never went live:\n{g.envoy_log()[-3000:]}")
+
+
+def chat(g: Stack, messages: list[dict]) -> tuple[str, str]:
+    status, headers, data = g.post(CHAT, {"model": "mock-model", "messages": messages, "max_tokens": 8})
+    assert status == 200, data[:300]
+    reply = json.loads(data)["choices"][0]["message"]["content"]
+    return headers["x-worker-id"], reply
+
+
+def conversations(r: Replicas, n: int, turns: int = 3, pause: float = 0.05) -> float:
+    """Share of turns after the first that landed on the worker of the turn before, turns
+    alternating between the gateways."""
+    same = total = 0
+    for c in range(n):
+        msgs = [{"role": "system", "content": text(100 + c, 6000)}]
+        prev = None
+        for t in range(turns):
+            msgs.append({"role": "user", "content": f"turn {t} of conversation {c}: " + text(900 + c * 10 + t, 300)})
+            worker, reply = chat(r.gateways[(c + t) % len(r.gateways)], msgs)
+            msgs.append({"role": "assistant", "content": reply})
+            if prev is not None:
+                total += 1
+                same += worker == prev
+            prev = worker
+            time.sleep(pause)
+    return same / total
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    r = Replicas(fleet(), n=2, kvroute={"disaggregation": {"threshold_tokens": 0}}).start()
+    for g in r.gateways:
+        wait_live(g)
+    yield r
+    r.stop()
+
+
+def test_the_next_turn_on_the_other_gateway_lands_on_the_same_worker(replicas):
+    shared = conversations(replicas, 12)
+    st = replicas.gateways[1].stats()
+    assert st.get("kvroute_peers_received_total", 0) > 0, st
+    print(f"\nturns on the worker of the previous turn, gateways alternating: sharing on {shared:.0%}")
+    assert shared >= 0.9
+
+
+def test_without_sharing_the_other_gateway_does_not_know_the_conversation():
+    r = Replicas(fleet(), n=2, kvroute={"disaggregation": {"threshold_tokens": 0}}, share=False).start()
+    try:
+        for g in r.gateways:
+            wait_live(g)
+        alone = conversations(r, 12)
+    finally:
+        r.stop()
+    print(f"\nturns on the worker of the previous turn, gateways alternating: sharing off {alone:.0%}")
+    assert alone < 0.9
+
+
+def test_a_nats_outage_fails_no_request_and_sharing_resumes(replicas):
+    replicas.nats.stop()
+    msgs = [{"role": "user", "content": text(5, 2000)}]
+    with ThreadPoolExecutor(4) as ex:
+        outcomes = list(ex.map(lambda i: chat(replicas.gateways[i % 2], msgs + [
+            {"role": "user", "content": f"q{i}"}]), range(40)))
+    assert len(outcomes) == 40  # chat() asserts every status is 200
+    replicas.nats.start(replicas.dir)
+    time.sleep(2.0)  # the relays reconnect on their own
+    assert conversations(replicas, 6) >= 0.9
+
+
+def test_a_gateway_that_dies_leaves_no_phantom_load(replicas):
+    a, b = replicas.gateways
+    msgs = [{"role": "user", "content": text(7, 4000)}]
+    # Slow requests through a, in flight when it dies.
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(a.post, CHAT, {"model": "mock-model", "messages": msgs, "max_tokens": 400})
+                for _ in range(4)]
+        time.sleep(0.3)
+        a.envoy.kill()
+        for f in futs:
+            try:
+                f.result(timeout=10)
+            except Exception:  # noqa: BLE001 - the gateway died under them, as intended
+                pass
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if b.stats().get("kvroute_active_requests", 0) == 0:
+            break
+        time.sleep(0.2)
+    assert b.stats().get("kvroute_active_requests", 0) == 0, "b still charges a's requests"
+    assert b.stats().get("kvroute_peers_gone_total", 0) >= 1
+    # b keeps serving.
+    chat(b, msgs)
+    a.start_envoy(log_name="envoy-0")
+    wait_live(a)
