@@ -43,7 +43,14 @@ ENVOY = os.path.join(ROOT, ".venv", "bin", "envoy")  # the project venv (make ve
 SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
 VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
-RELAY = os.path.join(ROOT, "target", "release", "kvroute-relay")  # precise mode (cargo build -p kvroute-relay)
+# Precise mode's kvroute-relay: KVROUTE_RELAY, else `make relay`'s build (its unwinding profile),
+# else a release build. It must speak the same relay protocol as the filter (WASM): pin both
+# (KVROUTE_WASM, KVROUTE_RELAY) to copies while the tree is being worked on; results.json
+# records the sha256 of each (`builds`).
+RELAY = os.environ.get("KVROUTE_RELAY") or next(
+    (p for p in (os.path.join(ROOT, "target", "relay", "kvroute-relay"),
+                 os.path.join(ROOT, "target", "release", "kvroute-relay")) if os.path.exists(p)),
+    os.path.join(ROOT, "target", "release", "kvroute-relay"))
 LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
 # KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
 WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
@@ -144,6 +151,24 @@ OVERHEAD_PROMPTS = ["warm", "cold"]
 def overhead_cells():
     """The latency columns: (key in results.json, prompt kind, prompt tokens)."""
     return [(f"{kind}{n}", kind, n) for n in OVERHEAD_SIZES for kind in OVERHEAD_PROMPTS]
+
+
+def build_info():
+    """The binaries this run measures (path, sha256, mtime) and the tree's commit."""
+    import hashlib
+    out = {}
+    for name, path in (("wasm", WASM), ("relay", RELAY), ("mock_worker", MOCK), ("loadgen", LOADGEN)):
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                h = hashlib.sha256(f.read()).hexdigest()
+            out[name] = dict(path=path, sha256=h, mtime=time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                     time.gmtime(os.path.getmtime(path))))
+    try:
+        out["git_head"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                         text=True).stdout.strip()
+    except OSError:
+        pass
+    return out
 
 
 def log(*a):
@@ -1185,6 +1210,12 @@ def write_markdown(res, path):
          f"Command: `{res['command']}`  ", f"Date: {res['date']}, wall time {res['wall_s']:.0f} s "
          f"({res['wall_s'] / 60:.1f} min), split {res['split']}  ",
          "All times are simulated seconds (wall x speedup); rates are simulated requests/s.", ""]
+    b = res.get("builds") or {}
+    if b:
+        L += ["Builds: " + ", ".join(f"{k} `{os.path.relpath(v['path'], ROOT) if v['path'].startswith(ROOT) else v['path']}` "
+                                     f"sha256 {v['sha256'][:12]} ({v['mtime']} UTC)"
+                                     for k, v in b.items() if isinstance(v, dict))
+              + (f"; tree at {b['git_head'][:7]}" if b.get("git_head") else ""), ""]
     L += summary_markdown(res)
     for s in res["scenarios"].values():
         L += scenario_markdown(s["config"], s)
@@ -1724,7 +1755,7 @@ def main():
     t_start = time.time()
     res = {"name": name, "preset": a.preset, "split": a.split,
            "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}, "builds": build_info()}
     cfgs = {}
     if not a.only_overhead:
         for n in names:
