@@ -350,7 +350,10 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
 /// Serves the Relay service on `listener` (HTTP/2 prior knowledge, as Envoy's gRPC client
 /// speaks it).
 pub async fn serve(hub: Arc<Hub>, listener: tokio::net::TcpListener) -> Result<(), String> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // TCP_NODELAY on every accepted connection (Server::tcp_nodelay applies only to the
+    // listeners tonic binds itself): small updates must not wait for delayed ACKs.
+    let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
+        .map_err(|e| e.to_string())?;
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -503,6 +503,13 @@ pub async fn start_nats(share: Arc<Share>, opts: NatsOpts) -> Result<(), String>
     share
         .peer_timeout_ms
         .store(opts.peer_timeout.as_millis() as u64, Relaxed);
+    if opts.peer_timeout < 2 * HEARTBEAT {
+        eprintln!(
+            "kvroute-relay: warning: --peer-timeout-ms {} is under two heartbeats ({} ms): live peers may be announced gone",
+            opts.peer_timeout.as_millis(),
+            (2 * HEARTBEAT).as_millis()
+        );
+    }
     let (tx, rx) = mpsc::channel(OUT_QUEUE);
     if share.out.set(tx).is_err() {
         return Err("NATS sharing started twice".to_owned());
