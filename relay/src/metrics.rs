@@ -186,11 +186,21 @@ fn esc(s: &str) -> String {
 pub fn render_health(hub: &Hub) -> String {
     let st = hub.lock();
     let now = now_ms();
+    let nats = if hub.share.nats_enabled() {
+        if hub.share.stats.nats_connected.load(Relaxed) {
+            "\"connected\""
+        } else {
+            "\"down\""
+        }
+    } else {
+        "null"
+    };
     let mut o = format!(
-        "{{\"status\":\"ok\",\"block_size\":{},\"epoch\":\"{:016x}\",\"streams_open\":{},\"engines\":[",
+        "{{\"status\":\"ok\",\"block_size\":{},\"epoch\":\"{:016x}\",\"streams_open\":{},\"nats\":{nats},\"peers_known\":{},\"engines\":[",
         hub.block_size,
         hub.epoch,
-        hub.stats.streams_open.load(Relaxed)
+        hub.stats.streams_open.load(Relaxed),
+        hub.share.peers_known()
     );
     for (i, w) in st.workers.iter().enumerate() {
         let s = &w.stats;

@@ -345,6 +345,11 @@ async fn decisions_reach_the_other_relay() {
     assert!(m.contains("kvroute_relay_decision_propagation_ms_count"));
     assert!(m.contains("kvroute_relay_nats_connected 1"));
     assert!(m.contains("kvroute_relay_peers_known 2"), "{m}");
+    let h = kvroute_relay::metrics::render_health(&hb);
+    assert!(
+        h.contains("\"nats\":\"connected\",\"peers_known\":2"),
+        "{h}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
