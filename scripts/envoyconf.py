@@ -545,6 +545,10 @@ def demo_fleet() -> list[Upstream]:
     return out
 
 
+# The name under which each compose gateway finds its own relay (a per-gateway network alias).
+COMPOSE_RELAY = "kvroute-relay"
+
+
 def compose_fleet() -> list[Upstream]:
     return [Upstream(name, name, 8000, role, kv_blocks=16384) for name, role in DEMO_WORKERS]
 
@@ -589,9 +593,16 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
         "in `x-kvroute-decode-endpoint` and the prefill worker hands the KV over to it."])
     compose = Site(listen=("0.0.0.0", 10000), admin=("0.0.0.0", 9901), wasm="/etc/envoy/kvroute.wasm",
                    dns=True, outlier_ejection=False, connect_timeout="0.5s", route_timeout="600s",
-                   stream_idle_timeout="300s", access_log=True, fallback_pool=True, header=head + [
+                   stream_idle_timeout="300s", access_log=True, fallback_pool=True,
+                   relay=(COMPOSE_RELAY, 7000), header=head + [
                        "Envoy bootstrap for the docker-compose quickstart: kvroute in front of 4 decode and",
-                       "2 prefill mock workers, reached by their compose service names.",
+                       "2 prefill mock workers, reached by their compose service names. Both gateways",
+                       "(envoy-1, envoy-2) run this file: each reaches its own kvroute-relay (relay-1,",
+                       "relay-2) under the name `kvroute-relay`, an alias that exists only on the private",
+                       "network it shares with that relay (docker-compose.yaml). Precise mode: the workers",
+                       "publish vLLM-format KV cache events, the relay serves them re-keyed over gRPC, and",
+                       "text prompts are tokenized by a decode worker (POST /tokenize) so the events match.",
+                       "The relays share the two gateways' decisions over NATS.",
                        "",
                        "Differences from envoy/demo.yaml (loopback ports), all from scripts/envoyconf.py's Site:",
                        "workers are DNS names resolved by Docker's embedded DNS (STRICT_DNS) and actively",
@@ -618,7 +629,11 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
     # worker's cluster (which fails over to the pool) answers POST /tokenize.
     precise_plugin = {**demo_plugin, "relay": {"cluster": RELAY_CLUSTER},
                       "tokenize": {"cluster": demo_plugin["workers"][0]["cluster"], "timeout_ms": 100}}
-    compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS}
+    # The compose gateways: precise mode and decision sharing through their relays; any decode
+    # worker tokenizes as all of them do, so the round-robin decode pool answers /tokenize.
+    compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS,
+                      "relay": {"cluster": RELAY_CLUSTER},
+                      "tokenize": {"cluster": "decode-pool", "timeout_ms": 100}}
     return {
         "envoy/demo.yaml": (demo, demo_fleet(), demo_plugin),
         "envoy/demo-precise.yaml": (precise, demo_fleet(), precise_plugin),

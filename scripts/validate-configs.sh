@@ -150,20 +150,68 @@ for f in envoy_files:
         clusters = {c["name"] for c in doc.get("static_resources", {}).get("clusters", [])}
         missing = [w["name"] for w in cfg.get("workers", []) if w.get("cluster", w["name"]) not in clusters]
         check(f"{f}: every worker's cluster is defined", not missing, f"missing: {missing}")
+        for key in ("relay", "tokenize"):
+            name = (cfg.get(key) or {}).get("cluster")
+            if name:
+                check(f"{f}: the {key} cluster ({name}) is defined", name in clusters)
+        relay = (cfg.get("relay") or {}).get("cluster")
+        if relay in clusters:
+            rc = next(c for c in doc["static_resources"]["clusters"] if c["name"] == relay)
+            check(f"{f}: the relay cluster speaks HTTP/2 (gRPC)", "http2_protocol_options" in json.dumps(rc))
 
-# ---- 2. docker-compose: the services Envoy and kvroute name exist
+# ---- 2. docker-compose: the services Envoy, kvroute and the relays name exist
 cf = "examples/docker-compose/docker-compose.yaml"
 compose = yaml.safe_load(open(cf))
 services = set(compose.get("services", {}))
+svcs = compose["services"]
 edoc = yaml.safe_load(open("examples/docker-compose/envoy.yaml"))
 hosts = set(re.findall(r"address: ([a-z][\w-]*), port_value: 8000", open("examples/docker-compose/envoy.yaml").read()))
 check(f"{cf}: every host in envoy.yaml is a compose service", hosts <= services, f"unknown: {sorted(hosts - services)}")
 cfg = plugin_json(envoy_wasm_filters(edoc)[0])
 eps = {w["endpoint"].split(":")[0] for w in cfg["workers"]}
 check(f"{cf}: every kvroute endpoint is a compose service", eps <= services, f"unknown: {sorted(eps - services)}")
-names_ok = all(f"--name" in s.get("command", []) and s["command"][s["command"].index("--name") + 1] == n
-               for n, s in compose["services"].items() if n != "envoy")
+workers = {n: s for n, s in svcs.items() if n.startswith(("decode-", "prefill-"))}
+names_ok = all("--name" in s.get("command", []) and s["command"][s["command"].index("--name") + 1] == n
+               for n, s in workers.items())
 check(f"{cf}: each worker reports its service name (--name)", names_ok)
+check(f"{cf}: every worker publishes KV events on 5557, replay on 5558",
+      all("tcp://0.0.0.0:5557" in s["command"] and "tcp://0.0.0.0:5558" in s["command"] for s in workers.values()))
+def args(cmd, flag):
+    return [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+gateways = sorted(n for n in svcs if n.startswith("envoy-"))
+relays = sorted(n for n in svcs if n.startswith("relay-"))
+check(f"{cf}: two gateways (envoy-N), a relay each (relay-N)",
+      len(gateways) == 2 and [g.replace("envoy-", "relay-") for g in gateways] == relays, f"{gateways} {relays}")
+relay_host = next(c for c in edoc["static_resources"]["clusters"] if c["name"] == cfg["relay"]["cluster"]) \
+    ["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["address"]
+def aliases(svc, net):
+    n = svcs[svc].get("networks", {})
+    return set((n.get(net) or {}).get("aliases", [])) if isinstance(n, dict) else set()
+def nets(svc):
+    n = svcs[svc].get("networks", [])
+    return set(n) if isinstance(n, list) else set(n)
+for g in gateways:
+    # Docker's DNS answers a gateway's query for the relay name from the networks it is on.
+    own = [r for r in relays for net in nets(g) & nets(r) if relay_host in aliases(r, net)]
+    check(f"{cf}: {g} resolves {relay_host!r} to exactly its own relay", own == [g.replace("envoy-", "relay-")], f"{own}")
+names = {w["name"] for w in cfg["workers"]}
+for r in relays:
+    cmd = svcs[r]["command"]
+    engines = {e.split("=", 1)[0]: e for e in args(cmd, "--engine")}
+    check(f"{cf}: {r} subscribes to every worker kvroute knows, by its kvroute name", set(engines) == names,
+          f"engines {sorted(engines)}, workers {sorted(names)}")
+    bad = [e for e in engines.values() if not re.fullmatch(r"[\w-]+=tcp://([\w-]+):5557,replay=tcp://\1:5558", e)
+           or e.split("=", 1)[0] != re.search(r"tcp://([\w-]+):", e).group(1)]
+    check(f"{cf}: {r}'s engines are the workers' own services and ports", not bad, f"{bad}")
+    nats_url = (args(cmd, "--nats") or [""])[0]
+    check(f"{cf}: {r} shares decisions over the compose NATS ({nats_url})",
+          re.fullmatch(r"nats://([\w-]+):4222", nats_url) is not None and nats_url[7:].split(":")[0] in services)
+    check(f"{cf}: {r} listens on 0.0.0.0:7000 with the filter's block size",
+          args(cmd, "--listen") == ["0.0.0.0:7000"] and args(cmd, "--block-size") == [str(cfg.get("block_size", 16))])
+nats_version = re.search(r"^NATS_VERSION\s*:=\s*(\S+)", open("Makefile").read(), re.M)
+nats_image = svcs.get("nats", {}).get("image", "")
+check(f"{cf}: the nats image defaults to the Makefile's NATS_VERSION ({nats_image})",
+      nats_version is not None and nats_image.endswith(":" + nats_version.group(1) + "}"))
 if COMPOSE:
     env = dict(os.environ, KVROUTE_WASM=WASM)
     r = subprocess.run(COMPOSE.split() + ["-f", cf, "config", "-q"], capture_output=True, text=True, env=env)
