@@ -238,7 +238,7 @@ API = {"WasmPlugin": "extensions.istio.io/v1alpha1", "EnvoyFilter": "networking.
        "VirtualService": "networking.istio.io/v1", "Gateway": None, "HTTPRoute": "gateway.networking.k8s.io/v1",
        "EnvoyExtensionPolicy": "gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy": "gateway.envoyproxy.io/v1alpha1",
        "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
-       "StatefulSet": "apps/v1", "Service": "v1", "Namespace": "v1"}
+       "StatefulSet": "apps/v1", "Deployment": "apps/v1", "Service": "v1", "Namespace": "v1"}
 bad = [f"{f}: {d['kind']} {d['apiVersion']}" for f, d in docs
        if d["kind"] not in API or (API[d["kind"]] and d["apiVersion"] != API[d["kind"]])]
 check("deploy/: only known kinds, at the expected API versions", not bad, "; ".join(bad))
@@ -258,6 +258,61 @@ for name, d in svc.items():
 
 def svc_of_host(h):  # decode-1.llm.svc.cluster.local -> decode-1
     return h.split(".")[0]
+
+def svc_has_port(name, port):
+    return name in svc and any(p["port"] == port for p in svc[name]["spec"].get("ports", []))
+
+# Precise mode: the engines publish KV events, the relay subscribes to each by its kvroute
+# name, shares decisions over NATS; kvroute configurations name the relay and a tokenizer.
+def arg_values(cmd, flag):
+    return [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+relay_engines = {}
+for f, d in of_kind("Deployment") + of_kind("StatefulSet"):
+    for c in d["spec"]["template"]["spec"]["containers"]:
+        a = [str(x) for x in c.get("args", [])]
+        if "--kv-events" in a:
+            ports = {p["containerPort"] for p in c.get("ports", [])}
+            check(f"{f}: {d['metadata']['name']} publishes KV events on 5557 (replay 5558) and declares the ports",
+                  arg_values(a, "--kv-events") == ["tcp://0.0.0.0:5557"]
+                  and arg_values(a, "--kv-events-replay") == ["tcp://0.0.0.0:5558"] and {5557, 5558} <= ports)
+        if "--engine" in a:
+            name = d["metadata"]["name"]
+            for e in arg_values(a, "--engine"):
+                m = re.fullmatch(r"([\w-]+)=tcp://([\w.-]+):(\d+),replay=tcp://([\w.-]+):(\d+)", e)
+                ok = m is not None and m.group(2) == m.group(4) and svc_has_port(svc_of_host(m.group(2)), int(m.group(3))) \
+                    and svc_has_port(svc_of_host(m.group(4)), int(m.group(5)))
+                check(f"{f}: {name} --engine {e.split('=')[0]}: a Service with the event and replay ports", ok, e)
+                if m:
+                    relay_engines[m.group(1)] = m.group(2)
+            nats_url = (arg_values(a, "--nats") or [""])[0]
+            m = re.fullmatch(r"nats://([\w.-]+):(\d+)", nats_url)
+            check(f"{f}: {name} --nats is a Service with that port ({nats_url})",
+                  m is not None and svc_has_port(svc_of_host(m.group(1)), int(m.group(2))))
+            listen = (arg_values(a, "--listen") or [""])[0]
+            port = int(listen.rsplit(":", 1)[-1]) if listen else 0
+            relay_svcs = [n for n, sv in svc.items() if sv["spec"].get("selector") == d["spec"]["selector"]["matchLabels"]]
+            check(f"{f}: {name} listens on all interfaces, behind a Service with an HTTP/2 (grpc) port",
+                  listen.startswith("0.0.0.0:") and any(p["port"] == port and p.get("appProtocol") == "grpc"
+                                                        for n in relay_svcs for p in svc[n]["spec"]["ports"]))
+
+def check_precise(label, cfg, clusters=None):
+    """relay and tokenize name clusters that exist: Istio's outbound|port||FQDN of a shipped
+    Service, or (clusters) the names an EnvoyPatchPolicy adds. Every worker feeds the relay."""
+    for key in ("relay", "tokenize"):
+        name = (cfg.get(key) or {}).get("cluster", "")
+        if not name:
+            check(f"{label}: {key}.cluster is set (precise mode)", False)
+            continue
+        m = re.fullmatch(r"outbound\|(\d+)\|\|([\w.-]+)", name)
+        if m:
+            ok = m.group(2).endswith(".svc.cluster.local") and svc_has_port(svc_of_host(m.group(2)), int(m.group(1)))
+        else:
+            ok = clusters is not None and name in clusters
+        check(f"{label}: {key}.cluster {name} exists", ok)
+    if relay_engines:
+        names = {w["name"] for w in cfg.get("workers", [])}
+        check(f"{label}: the relay subscribes to every worker, under its kvroute name", names == set(relay_engines),
+              f"workers {sorted(names)}, engines {sorted(relay_engines)}")
 
 def check_fleet(label, cfg, routed):
     """Every worker has a route for its cluster value, and its endpoint is a Service."""
@@ -291,6 +346,7 @@ for f, d in of_kind("WasmPlugin"):
     check(f"{f}: pluginName is kvroute's root_id", s.get("pluginName") == "kvroute")
     validate_plugin_config(f"{f} pluginConfig", s.get("pluginConfig", {}))
     check_fleet(f"{f}", s.get("pluginConfig", {}), vs_routes)
+    check_precise(f"{f}", s.get("pluginConfig", {}))
 
 for f, d in of_kind("EnvoyFilter"):
     patches = d["spec"]["configPatches"]
@@ -320,6 +376,7 @@ for f, d in of_kind("EnvoyFilter"):
     cfg = json.loads(c["configuration"]["value"])
     validate_plugin_config(f"{f} configuration", cfg, local)
     check_fleet(f"{f}", cfg, vs_routes)
+    check_precise(f"{f}", cfg)
 
 # Envoy Gateway: header rules of the HTTPRoute, the extension policy and its patch.
 hr_routes = {}
@@ -332,6 +389,24 @@ for f, d in of_kind("HTTPRoute"):
         for b in r.get("backendRefs", []):
             check(f"HTTPRoute backend {b['name']} is an existing Service", b["name"] in svc)
 routes_by_name = {d["metadata"]["name"]: d for f, d in of_kind("HTTPRoute")}
+# Clusters EnvoyPatchPolicies add (op add at path ""): validated by Envoy in a bootstrap.
+patch_clusters = {}
+for f, d in of_kind("EnvoyPatchPolicy"):
+    for p in d["spec"]["jsonPatches"]:
+        if p["type"].endswith("envoy.config.cluster.v3.Cluster") and p["operation"].get("path") == "" \
+                and p["operation"].get("op") == "add":
+            v = p["operation"]["value"]
+            check(f"{f}: added cluster {p['name']} carries that name", v.get("name") == p["name"])
+            path = os.path.join(tmp, f"cluster_{p['name']}.json")
+            json.dump({"static_resources": {"clusters": [v]}}, open(path, "w"))
+            ok, why = envoy_validate(path)
+            check(f"{f}: added cluster {p['name']}: envoy --mode validate", ok, why)
+            for e in v.get("load_assignment", {}).get("endpoints", []):
+                for lb in e.get("lb_endpoints", []):
+                    sa = lb["endpoint"]["address"]["socket_address"]
+                    check(f"{f}: cluster {p['name']} points at a Service with that port ({sa['address']}:{sa['port_value']})",
+                          svc_has_port(svc_of_host(sa["address"]), sa["port_value"]))
+            patch_clusters[p["name"]] = v
 eep_filters = set()
 for f, d in of_kind("EnvoyExtensionPolicy"):
     ns, name = d["metadata"]["namespace"], d["metadata"]["name"]
@@ -346,11 +421,16 @@ for f, d in of_kind("EnvoyExtensionPolicy"):
         check(f"{f}: wasm[{i}] rootID is kvroute", w.get("rootID") == "kvroute")
         validate_plugin_config(f"{f} wasm[{i}].config", w.get("config", {}))
         check_fleet(f"{f}", w.get("config", {}), hr_routes)
+        check_precise(f"{f} wasm[{i}]", w.get("config", {}), patch_clusters)
+        relay = patch_clusters.get((w.get("config", {}).get("relay") or {}).get("cluster"))
+        check(f"{f}: wasm[{i}]'s relay cluster speaks HTTP/2 (gRPC)", relay is not None and "http2_protocol_options" in json.dumps(relay))
 gateways = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for f, d in of_kind("Gateway")
             if d["apiVersion"].startswith("gateway.networking.k8s.io")}
 for f, d in of_kind("EnvoyPatchPolicy"):
     ops = {}
     for p in d["spec"]["jsonPatches"]:
+        if not p["type"].endswith("envoy.config.listener.v3.Listener"):
+            continue   # added clusters: checked above
         ns, gw, listener = p["name"].split("/")
         g = gateways.get((ns, gw))
         check(f"{f}: patches listener {p['name']} of a Gateway we ship",

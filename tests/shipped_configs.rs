@@ -1,7 +1,8 @@
 //! Every kvroute plugin configuration the repository ships loads with `Config::from_json`,
 //! the parser the filter runs at configure time: the Envoy bootstraps (envoy/, the compose
-//! quickstart, bench/envoy/) and the Kubernetes manifests under deploy/ (Istio EnvoyFilter and
-//! WasmPlugin, Envoy Gateway EnvoyExtensionPolicy). A key the parser does not know, a value
+//! quickstart, whose one envoy.yaml serves both of its gateways, bench/envoy/) and the
+//! Kubernetes manifests under deploy/ (Istio EnvoyFilter and WasmPlugin, Envoy Gateway
+//! EnvoyExtensionPolicy; deploy/relay/ and deploy/workers/ carry none). A key the parser does not know, a value
 //! of the wrong type or out of range fails here with the file and the parser's message.
 
 use std::path::{Path, PathBuf};
@@ -160,6 +161,35 @@ fn every_shipped_plugin_configuration_loads() {
         );
     }
     assert!(total >= 6, "{counts:?}");
+}
+
+/// The configurations that ship precise mode and gateway replicas (the compose quickstart's
+/// two gateways, the Kubernetes examples next to deploy/relay/relay.yaml) name the relay's
+/// cluster and a tokenizer, and share decisions: losing either key would silently turn
+/// precise mode off while everything else still loads.
+#[test]
+fn precise_mode_configurations_name_the_relay_and_a_tokenizer() {
+    let r = root();
+    for file in [
+        "envoy/demo-precise.yaml",
+        "examples/docker-compose/envoy.yaml",
+        "deploy/istio/wasmplugin.yaml",
+        "deploy/istio/kvroute-envoyfilter.yaml",
+        "deploy/envoy-gateway/extension-policy.yaml",
+    ] {
+        let mut n = 0;
+        for doc in documents(&r.join(file)) {
+            for (at, json) in plugin_configs(&doc) {
+                let cfg = Config::from_json(json.as_bytes())
+                    .unwrap_or_else(|e| panic!("{file} ({at}): {e}"));
+                assert!(!cfg.relay.cluster.is_empty(), "{file} ({at}): no relay.cluster");
+                assert!(!cfg.tokenize.cluster.is_empty(), "{file} ({at}): no tokenize.cluster");
+                assert!(cfg.relay.share_decisions, "{file} ({at}): relay.share_decisions off");
+                n += 1;
+            }
+        }
+        assert!(n >= 1, "{file}: no kvroute configuration found");
+    }
 }
 
 #[test]
