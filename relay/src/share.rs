@@ -403,10 +403,16 @@ impl Share {
                     );
                 }
             }
+            async_nats::Event::ClientError(e) => {
+                add(&self.stats.nats_errors, 1);
+                // Never connected yet: say so once (later losses are logged on Disconnected).
+                if !self.stats.nats_connected.load(Relaxed) && !self.lost.swap(true, Relaxed) {
+                    eprintln!("kvroute-relay: NATS not reachable ({e}); retrying (decisions are not shared meanwhile)");
+                }
+            }
             async_nats::Event::Closed
             | async_nats::Event::SlowConsumer(_)
-            | async_nats::Event::ServerError(_)
-            | async_nats::Event::ClientError(_) => add(&self.stats.nats_errors, 1),
+            | async_nats::Event::ServerError(_) => add(&self.stats.nats_errors, 1),
             async_nats::Event::LameDuckMode | async_nats::Event::Draining => {}
         }
     }
