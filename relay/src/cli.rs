@@ -9,7 +9,7 @@ them, re-keyed to kvroute's block hashes, as a gRPC stream (kvroute.relay.v1.Rel
 USAGE:
   kvroute-relay --engine NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,model=MODEL]... [OPTIONS]
 
-ENGINES (at least one --engine or --engines-dns):
+ENGINES (at least one --engine or --engines-dns, unless --nats only shares decisions):
   --engine SPEC          An engine's KV event publisher (vLLM --kv-events-config endpoint).
                          NAME is the worker's name in the filter's `workers[].name`;
                          replay= its replay (ROUTER) endpoint, used to repair gaps;
@@ -152,8 +152,9 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         }
         engines.push(spec);
     }
-    if engines.is_empty() && dns.is_none() {
-        return Err("no engines: give --engine NAME=tcp://HOST:PORT or --engines-dns HOST:PORT (see --help)".to_owned());
+    // Without engines the relay still shares gateways' decisions (predicted mode replicas).
+    if engines.is_empty() && dns.is_none() && nats.is_none() {
+        return Err("no engines and no --nats: give --engine NAME=tcp://HOST:PORT, --engines-dns HOST:PORT or --nats URL (see --help)".to_owned());
     }
     let model = match model {
         Some(m) => m,
