@@ -161,7 +161,11 @@ fn clear_worker(st: &mut crate::hub::State, worker: usize) {
     // A live `cleared` without `stale` tells gateways the worker is described again.
     let mut delta = d.finish();
     delta.stale = stale;
-    st.publish(vec![Change { worker, delta }]);
+    st.publish(vec![Change {
+        worker,
+        delta,
+        engine_ns: 0,
+    }]);
 }
 
 fn split_frames(msg: zeromq::ZmqMessage) -> Option<(u64, Bytes)> {
@@ -723,9 +727,16 @@ impl Engine {
             }
         }
         if !d.is_empty() {
+            // vLLM stamps a batch with time.time() when it is made.
+            let engine_ns = if batch.ts.is_finite() && batch.ts > 0.0 {
+                (batch.ts * 1e9) as u64
+            } else {
+                0
+            };
             st.publish(vec![Change {
                 worker: self.worker,
                 delta: d.finish(),
+                engine_ns,
             }]);
         }
         drop(st);

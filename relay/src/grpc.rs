@@ -276,6 +276,7 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
         // Wait for the first change, then gather what arrives within COALESCE.
         let mut pending: BTreeMap<usize, DeltaBuilder> = BTreeMap::new();
         let mut hashes = 0usize;
+        let mut oldest: Option<u64> = None;
         let mut lagged = false;
         let mut closed = false;
         let first = tokio::select! {
@@ -294,6 +295,9 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
             match r {
                 Ok(changes) => {
                     for c in changes.iter() {
+                        if c.engine_ns > 0 {
+                            oldest = Some(oldest.map_or(c.engine_ns, |o: u64| o.min(c.engine_ns)));
+                        }
                         let b = pending.entry(c.worker).or_default();
                         b.merge(&c.delta);
                         hashes += c.delta.stored.len() + c.delta.removed.len();
@@ -337,7 +341,13 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
                     })
                 })
                 .collect();
-            if !s.send(Phase::Live, workers).await {
+            let u = Update {
+                phase: Phase::Live as i32,
+                workers,
+                engine_unix_ns: oldest.unwrap_or(0),
+                ..Update::default()
+            };
+            if !s.send_update(u).await {
                 return;
             }
         }

@@ -12,6 +12,8 @@ use tokio::sync::broadcast;
 pub struct Change {
     pub worker: usize,
     pub delta: Delta,
+    /// The engine's timestamp of the batch behind it (unix ns; 0: not from a batch).
+    pub engine_ns: u64,
 }
 
 /// Counters of one engine (read by /metrics and /health).
@@ -160,7 +162,11 @@ impl State {
             stale,
             ..Delta::default()
         };
-        self.publish(vec![Change { worker, delta }]);
+        self.publish(vec![Change {
+            worker,
+            delta,
+            engine_ns: 0,
+        }]);
     }
 
     pub fn indexed_blocks(&self) -> usize {

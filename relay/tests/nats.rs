@@ -144,6 +144,7 @@ fn kv(hub: &Hub, hash: u64) {
             stored: vec![hash],
             ..Delta::default()
         },
+        engine_ns: 0,
     }]);
 }
 

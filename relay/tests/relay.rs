@@ -375,6 +375,7 @@ async fn lagging_stream_gets_a_fresh_snapshot() {
                 stored,
                 ..Delta::default()
             },
+            engine_ns: 0,
         }]);
     }
     let mut seq = 1;

@@ -95,6 +95,8 @@ pub struct Metrics {
     pub precise_unknown_workers: Id,
     /// Relay send to this VM's receipt, from the update's `sent_unix_ns`.
     pub precise_delay_us: Id,
+    /// The engine's event (its batch timestamp) to this VM's index.
+    pub precise_engine_delay_us: Id,
     /// Tokenize calls answered with token ids, and those that failed or timed out (routed
     /// on the text); the wait they added.
     /// Decisions shared with other gateways through the relay: sent, dropped (stream down
@@ -164,6 +166,7 @@ impl Metrics {
             precise_stream_failures: c("kvroute.precise.stream_failures.total"),
             precise_unknown_workers: c("kvroute.precise.unknown_workers.total"),
             precise_delay_us: h("kvroute.precise.event_delay_us"),
+            precise_engine_delay_us: h("kvroute.precise.engine_delay_us"),
             peers_sent: c("kvroute.peers.sent.total"),
             peers_dropped: c("kvroute.peers.dropped.total"),
             peers_received: c("kvroute.peers.received.total"),

@@ -196,6 +196,11 @@ impl State {
                 .precise_delay_us
                 .record(now_ns.saturating_sub(update.sent_unix_ns) / 1000);
         }
+        if update.engine_unix_ns > 0 {
+            self.metrics
+                .precise_engine_delay_us
+                .record(now_ns.saturating_sub(update.engine_unix_ns) / 1000);
+        }
         let workers = &self.router.config().workers;
         let lookup = |name: &str| {
             workers

@@ -41,6 +41,8 @@ pub struct Update {
     pub peers: Vec<PeerDecisions>,
     #[prost(string, repeated, tag = "7")]
     pub gone: Vec<String>,
+    #[prost(uint64, tag = "8")]
+    pub engine_unix_ns: u64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -90,6 +92,7 @@ mod tests {
             sent_unix_ns: 5,
             peers: vec![],
             gone: vec![],
+            engine_unix_ns: 0,
         };
         let delta: Vec<u8> = [
             &[0x0a, 1, b'w'][..],
