@@ -182,9 +182,18 @@ fn precise_mode_configurations_name_the_relay_and_a_tokenizer() {
             for (at, json) in plugin_configs(&doc) {
                 let cfg = Config::from_json(json.as_bytes())
                     .unwrap_or_else(|e| panic!("{file} ({at}): {e}"));
-                assert!(!cfg.relay.cluster.is_empty(), "{file} ({at}): no relay.cluster");
-                assert!(!cfg.tokenize.cluster.is_empty(), "{file} ({at}): no tokenize.cluster");
-                assert!(cfg.relay.share_decisions, "{file} ({at}): relay.share_decisions off");
+                assert!(
+                    !cfg.relay.cluster.is_empty(),
+                    "{file} ({at}): no relay.cluster"
+                );
+                assert!(
+                    !cfg.tokenize.cluster.is_empty(),
+                    "{file} ({at}): no tokenize.cluster"
+                );
+                assert!(
+                    cfg.relay.share_decisions,
+                    "{file} ({at}): relay.share_decisions off"
+                );
                 n += 1;
             }
         }
