@@ -12,7 +12,7 @@ Results go to bench/results/<name>/: results.json (every summary, goodput, overh
 results.md (tables), PNG plots; raw per-request JSONL and logs under raw/ (not committed).
 
 Usage: bench/run.py --preset quick|full [--scenario a,b|all] [--split dev|heldout] [--name NAME]
-       [--policies a,b] [--speeds 1,2]
+       [--policies a,b] [--speeds 1,2] [--replicas 1,2,4]
 Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for the plots.
 """
 
@@ -52,6 +52,9 @@ RELAY = os.environ.get("KVROUTE_RELAY") or next(
                  os.path.join(ROOT, "target", "release", "kvroute-relay")) if os.path.exists(p)),
     os.path.join(ROOT, "target", "release", "kvroute-relay"))
 LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
+# Gateway replicas (--replicas, issue 15): the relays share decisions through one nats-server
+# (`make nats` puts it in the project venv).
+NATS = os.environ.get("NATS_SERVER") or os.path.join(ROOT, ".venv", "bin", "nats-server")
 # KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
 WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
 MODEL = "mock-model"
@@ -112,7 +115,8 @@ PRESETS = {
     "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0,
                  goodput=True, repeats=2, bisect="auto"),
 }
-POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "envoy-round-robin", "envoy-least-request", "envoy-random",
+POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
+            "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
 # Run when --policies is not given (the others stay runnable by --policies). kvroute-tokenize and
 # kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
@@ -136,7 +140,50 @@ TOKENIZE_CONFIG = {"tokenize": {"cluster": "decode-pool", "timeout_ms": 100}}
 PRECISE_POLICIES = {
     "kvroute-tokenize": dict(TOKENIZE_CONFIG),
     "kvroute-precise": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
+    "kvroute-precise-noshare": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
 }
+# Precise mode: the workers publish KV events and every gateway's relay subscribes to all of them.
+EVENT_POLICIES = ["kvroute-precise", "kvroute-precise-noshare"]
+
+# Gateway replicas (issue 15, --replicas 1,2,4). A cell `POLICY@N` (N > 1) runs N gateways of
+# POLICY in front of one fleet, and one plain Envoy in front of them (no kvroute, a ROUND_ROBIN
+# cluster of the N gateway listeners: a cloud load balancer spreading requests one by one), so
+# loadgen still targets one URL. One gateway (N = 1) is the policy's usual cell, label POLICY.
+# - kvroute, kvroute-tuned, kvroute-tokenize: each gateway has its own kvroute-relay, no
+#   --engine, --nats to one nats-server; plugin `relay: {share_decisions: true}`.
+# - kvroute-noshare: the same gateways with no relay at all (each routes on what it alone saw).
+# - kvroute-precise: relays with every worker's KV events (--engine) and --nats, tokenize on,
+#   share_decisions true. kvroute-precise-noshare: the same relays without --nats,
+#   share_decisions false (the engines' events still show each gateway every worker's cache).
+# - sglang-cache-aware, vllm-router-cache-aware: N independent router processes.
+# At one gateway kvroute-noshare is kvroute and kvroute-precise-noshare kvroute-precise (not
+# run twice); Envoy's own policies and the oracle hold no routing state and run at N = 1 only.
+SHARING_POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise"]
+REPLICA_POLICIES = SHARING_POLICIES + ["kvroute-noshare", "kvroute-precise-noshare", "sglang-cache-aware",
+                                       "vllm-router-cache-aware"]
+# Issue 15: with 4 gateways, sharing on, kvroute's hit rate and goodput >= 0.95x one gateway's.
+REPLICA_TARGET = 0.95
+
+
+def parse_label(label):
+    """A cell's label -> (policy, gateways): `kvroute@4` -> ("kvroute", 4), `kvroute` -> 1."""
+    if "@" in label:
+        pol, n = label.rsplit("@", 1)
+        return pol, int(n)
+    return label, 1
+
+
+def expand_replicas(policies, replicas):
+    """The cells' labels for --replicas: every policy at every count it can run at (see above)."""
+    out = []
+    for pol in policies:
+        for n in replicas:
+            if n > 1 and pol not in REPLICA_POLICIES:
+                continue
+            if n == 1 and pol.endswith("-noshare") and len(replicas) > 1:
+                continue
+            out.append(pol if n == 1 else f"{pol}@{n}")
+    return out
 # A kvroute-tokenize / kvroute-precise cell fails when more than this share of tokenize calls
 # failed (timeouts, errors: those requests were routed on the text).
 TOKENIZE_MAX_FAILED = 0.01
@@ -319,20 +366,58 @@ def upstreams(cfg, ws):
     return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], kv_blocks=cfg["kv_blocks"]) for w in ws]
 
 
-def start_relay(cfg, ws, logdir):
-    """kvroute-relay subscribed to every worker's KV events (precise mode); returns the process,
-    its gRPC port and its metrics URL once /health answers."""
+def start_relay(cfg, ws, logdir, nats=None):
+    """kvroute-relay subscribed to the KV events of the workers ws (precise mode; none: it only
+    shares decisions) and, with nats (a nats:// URL), sharing decisions over it; returns the
+    process, its gRPC port and its metrics URL once /health answers (and NATS is connected)."""
     if not os.path.exists(RELAY):
         raise RuntimeError(f"{RELAY} not built (cargo build --release -p kvroute-relay)")
     port, mport = free_port(), free_port()
     argv = [RELAY, "--model", MODEL, "--block-size", str(cfg["block_size"]),
             "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}"]
+    if nats:
+        argv += ["--nats", nats]
     for w in ws:
         argv += ["--engine", f"{w['name']}=tcp://127.0.0.1:{w['kv_events']},replay=tcp://127.0.0.1:{w['kv_replay']}"]
     p = Procs.start(argv, os.path.join(logdir, "relay.log"))
     murl = f"http://127.0.0.1:{mport}"
     wait_until(lambda: (http("GET", murl + "/health")[0] == 200, None), 15, "kvroute-relay", [p])
+    if nats:
+        def connected():
+            h = json.loads(http("GET", murl + "/health")[2])
+            return h.get("nats") == "connected", f"nats {h.get('nats')}"
+        wait_until(connected, 15, "kvroute-relay: NATS", [p])
     return p, port, murl
+
+
+def start_nats(logdir):
+    """nats-server on a free loopback port (the gateways' relays share decisions through it)."""
+    if not os.path.exists(NATS):
+        raise RuntimeError(f"{NATS} missing (make nats)")
+    port = free_port()
+    p = Procs.start([NATS, "-a", "127.0.0.1", "-p", str(port)], os.path.join(logdir, "nats.log"))
+    import socket
+
+    def up():
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True, None
+    wait_until(up, 15, "nats-server", [p])
+    return p, f"nats://127.0.0.1:{port}"
+
+
+def start_front(cfg, urls, logdir):
+    """The cloud load balancer in front of N gateways: a plain Envoy (no kvroute), one
+    ROUND_ROBIN cluster of the gateways' listeners; returns the process and its URL."""
+    port, admin = free_port(), free_port()
+    ups = [envoyconf.Upstream(f"gw{i}", "127.0.0.1", int(u.rsplit(":", 1)[1])) for i, u in enumerate(urls)]
+    doc = envoyconf.bootstrap(envoyconf.bench_site(port, admin, WASM), ups, None, "ROUND_ROBIN")
+    path = os.path.join(logdir, "front.yaml")
+    with open(path, "w") as f:
+        f.write(envoyconf.to_yaml(doc))
+    p = Procs.start([ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart",
+                     "-l", "warning"], os.path.join(logdir, "front.log"))
+    wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "front envoy", [p])
+    return p, f"http://127.0.0.1:{port}"
 
 
 def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
@@ -348,8 +433,9 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     site = envoyconf.bench_site(port, admin, WASM)
     if policy in PRECISE_POLICIES:
         # decode-pool: round-robin over the workers, the cluster the tokenize calls go to.
-        site = dataclasses.replace(site, fallback_pool=True,
-                                   relay=("127.0.0.1", relay_port) if relay_port else None)
+        site = dataclasses.replace(site, fallback_pool=True)
+    if relay_port:
+        site = dataclasses.replace(site, relay=("127.0.0.1", relay_port))
     doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
@@ -436,8 +522,42 @@ def prom(url, prefixes):
 
 
 def envoy_kvroute_stats(admin):
-    """Envoy's kvroute_precise_* and kvroute_tokenize_* stats (admin /stats/prometheus)."""
-    return prom(admin + "/stats/prometheus", ("kvroute_precise_", "kvroute_tokenize_"))
+    """Envoy's kvroute_precise_*, kvroute_tokenize_* and kvroute_peers_* stats (admin
+    /stats/prometheus)."""
+    return prom(admin + "/stats/prometheus", ("kvroute_precise_", "kvroute_tokenize_", "kvroute_peers_"))
+
+
+def merged(stats):
+    """Several gateways' (or relays') samples summed name by name (counters and histogram
+    buckets add up; gauges become the sum)."""
+    out = {}
+    for st in stats:
+        for k, v in st.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def hist_quantiles(stats, name, qs=(0.5, 0.9, 0.99)):
+    """Quantiles of a Prometheus histogram from its cumulative buckets (summed over labels):
+    the upper bound of the bucket each quantile falls in; None without observations."""
+    import re
+    buckets = {}
+    for k, v in stats.items():
+        if k.startswith(name + "_bucket"):
+            m = re.search(r'le="([^"]+)"', k)
+            if m:
+                le = float("inf") if m.group(1) in ("+Inf", "inf") else float(m.group(1))
+                buckets[le] = buckets.get(le, 0.0) + v
+    if not buckets:
+        return None
+    les = sorted(buckets)
+    total = buckets[les[-1]]
+    out = {"count": total, "sum": stat(stats, name + "_sum")}
+    for q in qs:
+        out[f"p{round(q * 100)}"] = (None if not total else
+                                    next((le for le in les if buckets[le] >= q * total), les[-1]))
+    out["mean"] = out["sum"] / total if total else None
+    return out
 
 
 def stat(stats, name):
@@ -459,7 +579,7 @@ def check_precise(policy, p):
     stream never went live, or more than TOKENIZE_MAX_FAILED of the tokenize calls failed."""
     st = p["envoy"]
     bad = []
-    if policy == "kvroute-precise" and not p.get("stream_live_seen"):
+    if policy in EVENT_POLICIES and not p.get("stream_live_seen"):
         bad.append("kvroute_precise_stream_live never reached 1")
     ok, failed = p["tokenize_ok"], p["tokenize_failed"]
     if ok + failed == 0:
@@ -467,7 +587,7 @@ def check_precise(policy, p):
     elif p["tokenize_failed_share"] > TOKENIZE_MAX_FAILED:
         bad.append(f"tokenize failed {failed:g} of {ok + failed:g} calls "
                    f"({p['tokenize_failed_share']:.1%} > {TOKENIZE_MAX_FAILED:.0%})")
-    if policy == "kvroute-precise" and stat(st, "kvroute_precise_blocks_stored_total") == 0:
+    if policy in EVENT_POLICIES and stat(st, "kvroute_precise_blocks_stored_total") == 0:
         bad.append("the filter applied no engine BlockStored events (kvroute_precise_blocks_stored_total 0)")
     if bad:
         raise RuntimeError(f"{policy}: " + "; ".join(bad))
@@ -498,60 +618,93 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     (prefill_scale, held_weight) for this run."""
     if oracle is not None:
         cfg = dict(cfg, oracle_prefill_scale=oracle[0], oracle_held_weight=oracle[1])
-    sub = oracle_label(oracle) if oracle is not None else policy
+    sub = oracle_label(oracle) if oracle is not None else policy  # the label (`kvroute@4`)
     cell = os.path.join(rawdir, sub, f"load{speed:g}" + (f"_r{rep}" if rep else ""))
     shutil.rmtree(cell, ignore_errors=True)
     os.makedirs(cell)
     started = list(Procs.live)
     t_cell = time.time()
-    admin = relay_metrics = None
+    label = policy
+    policy, n_gw = parse_label(label)
+    if n_gw == 1 and policy.endswith("-noshare"):
+        policy = policy[:-len("-noshare")]  # one gateway: nothing to share
+    events = policy in EVENT_POLICIES
+    share = n_gw > 1 and policy in SHARING_POLICIES
+    use_relay = events or share
+    admins, relay_urls = [], []
     precise = None
+    sharing = None
     try:
-        ws = start_fleet(cfg, cell, kv_events=policy == "kvroute-precise")
+        ws = start_fleet(cfg, cell, kv_events=events)
         procs = [w["proc"] for w in ws]
-        relay_port = None
-        if policy == "kvroute-precise":
-            rp, relay_port, relay_metrics = start_relay(cfg, ws, cell)
-            procs.append(rp)
+        nats = None
+        if share:
+            np_, nats = start_nats(cell)
+            procs.append(np_)
         lg = [LOADGEN] + workload_args(cfg, speed) + [
               "--max-output", str(cfg["max_output"]),
               "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
-              "--warmup", str(cfg["warmup"]), "--label", policy, "--out", cell, "--timeout-s", "300"]
+              "--warmup", str(cfg["warmup"]), "--label", label, "--out", cell, "--timeout-s", "300"]
         if policy == "oracle":
             lg += ["--oracle-workers", ",".join(w["url"] for w in ws),
                    "--oracle-prefill-scale", str(cfg["oracle_prefill_scale"]),
                    "--oracle-held-weight", str(cfg["oracle_held_weight"])]
         else:
-            if policy.startswith("kvroute") or policy.startswith("envoy"):
-                extra = cfg["tuned"] if policy == "kvroute-tuned" else PRECISE_POLICIES.get(policy)
-                p, url, admin = start_envoy(cfg, policy, ws, cell, extra, relay_port)
-            else:
-                p, url = start_peer(cfg, policy, ws, cell)
-            procs.append(p)
-            check_routes(url, procs, policy)
+            urls = []
+            for i in range(n_gw):
+                gdir = cell if n_gw == 1 else os.path.join(cell, f"gw{i}")
+                os.makedirs(gdir, exist_ok=True)
+                if policy.startswith("kvroute") or policy.startswith("envoy"):
+                    extra = cfg["tuned"] if policy == "kvroute-tuned" else PRECISE_POLICIES.get(policy)
+                    relay_port = None
+                    if use_relay:
+                        rp, relay_port, rm = start_relay(cfg, ws if events else [], gdir, nats)
+                        procs.append(rp)
+                        relay_urls.append(rm)
+                    if n_gw > 1 and use_relay:
+                        # The relay key (the precise one is its alias) with the sharing switch.
+                        extra = {k: v for k, v in (extra or {}).items() if k != "precise"}
+                        extra["relay"] = {"cluster": envoyconf.RELAY_CLUSTER, "share_decisions": share}
+                    p, url, admin = start_envoy(cfg, policy, ws, gdir, extra, relay_port)
+                    admins.append(admin)
+                else:
+                    p, url = start_peer(cfg, policy, ws, gdir)
+                procs.append(p)
+                check_routes(url, procs, policy)
+                urls.append(url)
+            url = urls[0]
+            if n_gw > 1:
+                p, url = start_front(cfg, urls, cell)
+                procs.append(p)
+                check_routes(url, procs, policy)
             lg += ["--target", url]
         if policy in PRECISE_POLICIES:
             precise = {"stream_live_seen": False}
-            if policy == "kvroute-precise":
-                # Loud failure (the cell is not run) when the stream does not come up.
+        if use_relay:
+            # Loud failure (the cell is not run) when a gateway's stream does not come up.
+            for admin in admins:
                 wait_stream_live(admin, procs)
+            if precise is not None:
                 precise["stream_live_seen"] = True
-                precise["stream_live_at_start"] = stat(envoy_kvroute_stats(admin), "kvroute_precise_stream_live")
+                precise["stream_live_at_start"] = min(stat(envoy_kvroute_stats(a), "kvroute_precise_stream_live")
+                                                      for a in admins)
+        live = []
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
-            if precise is not None and policy == "kvroute-precise":
-                # The stream's liveness sampled through the run (a drop would show as min 0).
+            if use_relay:
+                # The streams' liveness sampled through the run, the least live gateway's (a
+                # drop would show as min 0).
                 lgp = subprocess.Popen(lg, stdout=f, stderr=subprocess.STDOUT)
-                live = []
                 while lgp.poll() is None:
                     try:
-                        live.append(stat(envoy_kvroute_stats(admin), "kvroute_precise_stream_live"))
+                        live.append(min(stat(envoy_kvroute_stats(a), "kvroute_precise_stream_live") for a in admins))
                     except Exception:
                         pass
                     time.sleep(1.0)
                 rc = lgp.wait()
-                precise["stream_live_samples"] = len(live)
-                precise["stream_live_min"] = min(live) if live else None
-                precise["stream_live_max"] = max(live) if live else None
+                if precise is not None:
+                    precise["stream_live_samples"] = len(live)
+                    precise["stream_live_min"] = min(live) if live else None
+                    precise["stream_live_max"] = max(live) if live else None
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
         if rc != 0:
@@ -561,10 +714,11 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         if precise is not None:
             # What the filter did with tokenization and the relay stream, and (precise) the
             # relay's own counters, at the end of the run; written before any check fails.
-            precise["envoy"] = st = envoy_kvroute_stats(admin)
-            if relay_metrics:
-                precise["relay"] = prom(relay_metrics + "/metrics", ("kvroute_relay_",))
-            precise["stream_live_end"] = stat(st, "kvroute_precise_stream_live")
+            per_gw = [envoy_kvroute_stats(a) for a in admins]
+            precise["envoy"] = st = merged(per_gw)
+            if relay_urls:
+                precise["relay"] = merged(prom(u + "/metrics", ("kvroute_relay_",)) for u in relay_urls)
+            precise["stream_live_end"] = min(stat(x, "kvroute_precise_stream_live") for x in per_gw)
             precise["stream_live_seen"] = precise["stream_live_seen"] or precise["stream_live_end"] >= 1
             precise["tokenize_ok"] = ok = stat(st, "kvroute_tokenize_ok_total")
             precise["tokenize_failed"] = failed = stat(st, "kvroute_tokenize_failed_total")
@@ -576,6 +730,19 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             with open(os.path.join(cell, "precise.json"), "w") as f:
                 json.dump(precise, f, indent=1)
             check_precise(policy, precise)
+        if n_gw > 1 and admins:
+            # Decision sharing between the gateways (issue 15): the filters' kvroute_peers_*
+            # (Envoy stats, per gateway and summed) and the relays' sharing metrics.
+            sharing = sharing_stats(admins, relay_urls, share)
+            sharing["stream_live_min"] = min(live) if live else None
+            s["sharing"] = sharing
+            with open(os.path.join(cell, "sharing.json"), "w") as f:
+                json.dump(sharing, f, indent=1)
+            if share and not sharing["peers_received"]:
+                raise RuntimeError(f"{label}: sharing on but no gateway received a peer's decision "
+                                   "(kvroute_peers_received_total 0)")
+        s["gateways"] = n_gw
+        s["policy"] = policy
         s["worker_metrics"] = m = scrape(ws)
         # Engine-side hit rate (all requests, warm-up included): what the workers' prefix
         # caches served, whether or not they report cached_tokens to clients.
@@ -595,16 +762,60 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         s["repeat"] = rep
         if oracle is not None:
             s["oracle_setting"] = oracle_label(oracle)
-        log(f"{cfg['scenario']:>14s} {sub:24s} {cfg['load_name']} {speed:>5g}{f' r{rep}' if rep else ''}: "
+        log(f"{cfg['scenario']:>14s} {label if oracle is None else sub:24s} {cfg['load_name']} {speed:>5g}{f' r{rep}' if rep else ''}: "
             f"{s['ok']}/{s['requests']} ok, offered {s['offered_rps_sim']:.2f} rps(sim), "
             f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, "
             f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
             f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall"
-            + ("" if precise is None else " | " + precise_text(precise)))
+            + ("" if precise is None else " | " + precise_text(precise))
+            + ("" if sharing is None else " | " + sharing_text(sharing)))
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
+
+
+def sharing_stats(admins, relay_urls, share):
+    """What the gateways shared in one run: per gateway and summed, the filter's
+    kvroute_peers_{sent,dropped,received,errors,gone}_total and its peers delay histogram (us,
+    decision made -> applied by a peer, Envoy's buckets: quantiles are bucket upper bounds),
+    and the relays' decision counters and propagation histogram (ms)."""
+    per = []
+    for a in admins:
+        st = prom(a + "/stats/prometheus", ("kvroute_peers_",))
+        per.append(st)
+    tot = merged(per)
+    out = {"share": share, "gateways": len(admins), "per_gateway": []}
+    for name in ("sent", "dropped", "received", "errors", "gone"):
+        out["peers_" + name] = stat(tot, f"kvroute_peers_{name}_total")
+    for st in per:
+        out["per_gateway"].append({name: stat(st, f"kvroute_peers_{name}_total")
+                                   for name in ("sent", "dropped", "received", "errors", "gone")})
+    out["peers_delay_us"] = hist_quantiles(tot, "kvroute_peers_delay_us")
+    out["envoy"] = tot
+    if relay_urls:
+        rl = merged(prom(u + "/metrics", ("kvroute_relay_decision", "kvroute_relay_nats", "kvroute_relay_peers",
+                                          "kvroute_relay_streams")) for u in relay_urls)
+        out["relay"] = rl
+        for k in ("decisions_local_total", "decisions_published_total", "nats_messages_published_total",
+                  "decisions_nats_received_total", "decisions_forwarded_total", "decisions_dropped_total",
+                  "nats_errors_total"):
+            out["relay_" + k] = stat(rl, "kvroute_relay_" + k)
+        out["relay_propagation_ms"] = hist_quantiles(rl, "kvroute_relay_decision_propagation_ms")
+    return out
+
+
+def sharing_text(sh):
+    """One line: what the gateways of a replicas cell shared."""
+    d = sh.get("peers_delay_us") or {}
+    t = (f"peers sent {sh['peers_sent']:g} received {sh['peers_received']:g} dropped {sh['peers_dropped']:g} "
+         f"gone {sh['peers_gone']:g}, delay p50/p90 {fmt(d.get('p50'), 0)}/{fmt(d.get('p90'), 0)} us")
+    if "relay" in sh:
+        pr = sh.get("relay_propagation_ms") or {}
+        t += (f"; relays published {sh['relay_decisions_published_total']:g} nats-received "
+              f"{sh['relay_decisions_nats_received_total']:g} dropped {sh['relay_decisions_dropped_total']:g}, "
+              f"propagation p50/p90 {fmt(pr.get('p50'), 1)}/{fmt(pr.get('p90'), 1)} ms")
+    return t
 
 
 def fmt(x, nd=3):
@@ -962,7 +1173,7 @@ def analyze(cfg, res):
                           hit_rate_source=main.get("hit_rate_source", "usage")))
     res["table"] = table
     res["envelope_beaten"] = envelope_beaten(cfg, res)
-    res["targets"] = targets(cfg, res) + precise_targets(cfg, res)
+    res["targets"] = targets(cfg, res) + precise_targets(cfg, res) + replica_targets(cfg, res)
 
 
 def envelope_beaten(cfg, res):
@@ -1102,11 +1313,174 @@ def precise_targets(cfg, res):
     return rows
 
 
+def replica_targets(cfg, res):
+    """Issue 15: with the most gateways run (4 asked), kvroute's hit rate at every load and its
+    goodput at the main SLO (--slo, 2 s) >= 0.95x one gateway's on the same fleet and load, sharing on; the
+    sharing-off figures (kvroute-noshare) beside them as info rows. The same for precise mode."""
+    P = res["policies"]
+    rows = []
+    ns = sorted({parse_label(p)[1] for p in P})
+    if ns == [1]:
+        return rows
+    quick = not cfg.get("goodput")
+    for base, off in (("kvroute", "kvroute-noshare"), ("kvroute-precise", "kvroute-precise-noshare")):
+        one = P.get(base, {})
+        if not one.get("runs"):
+            continue
+        for pol in (base, off):
+            n = max((parse_label(p)[1] for p in P if parse_label(p)[0] == pol and P[p].get("runs")), default=1)
+            x = P.get(f"{pol}@{n}", {})
+            if n == 1 or not x.get("runs"):
+                continue
+            info = pol == off
+            # Hit rate: the worst load's ratio.
+            worst = None
+            for key, r1 in sorted(one["runs"].items(), key=lambda kv: float(kv[0])):
+                rn = x["runs"].get(key)
+                if rn and r1["hit_rate"]:
+                    q = rn["hit_rate"] / r1["hit_rate"]
+                    if worst is None or q < worst[0]:
+                        worst = (q, key, rn["hit_rate"], r1["hit_rate"])
+            if worst:
+                q, key, hn, h1 = worst
+                rows.append(dict(target=f"{pol}@{n} hit rate >= {REPLICA_TARGET:g}x {base} (1 gateway) at every load"
+                                 + (" [sharing off, for reference]" if info else ""),
+                                 value=f"{hn:.3f} at {key} = {q:.3f}x", reference=f"{base}: {h1:.3f} (worst load)",
+                                 status="info" if info else "met" if q >= REPLICA_TARGET else "missed"))
+            slo = f"{cfg['slo_s']:g}"
+            g1 = (one.get("goodput") or {}).get(slo)
+            gn = (x.get("goodput") or {}).get(slo)
+            name = (f"{pol}@{n} goodput @ {slo} s >= {REPLICA_TARGET:g}x {base} (1 gateway)"
+                    + (" [sharing off, for reference]" if info else ""))
+            if not g1 or not gn:
+                rows.append(dict(target=name, value="-", reference="no goodput", status="not measured"))
+                continue
+            ratio = f" = {gn['value'] / g1['value']:.2f}x" if g1["value"] else ""
+            if info:
+                st = "info"
+            elif g1["kind"] == "<":
+                st = "undecided (both missed the SLO at the floor)" if gn["kind"] == "<" else "met"
+            elif gn["value"] >= g1["value"] * REPLICA_TARGET * 0.99999:
+                st = "met" if g1["kind"] != ">=" else "undecided (1 gateway met the SLO up to the highest load)"
+                if g1["kind"] == ">=" and gn["kind"] == ">=" and gn["lo"] >= g1["lo"]:
+                    st = "met (both met the SLO at every load run: a lower bound)"
+            else:
+                st = "missed" if gn["kind"] != ">=" else "undecided (met the SLO up to the highest load)"
+            if "sweep" in (g1["method"], gn["method"]):
+                st += " (read off the sweep" + (", quick preset" if quick else "") + ")"
+            rows.append(dict(target=name, value=gp_text(gn) + ratio, reference=f"{base}: {gp_text(g1)}", status=st))
+    # Issue 14 at N gateways without sharing: the engines' events still show every gateway the
+    # whole fleet's cache, predictions only what the gateway itself routed.
+    if cfg["scenario"] in TARGET_PRECISE_1_3X:
+        for pol in P:
+            base, n = parse_label(pol)
+            k = P.get(f"kvroute-noshare@{n}", {})
+            if base != "kvroute-precise-noshare" or n == 1 or not k.get("runs") or not P[pol].get("runs"):
+                continue
+            x, y = (P[pol].get("goodput") or {}).get("2"), (k.get("goodput") or {}).get("2")
+            if not x or not y:
+                continue
+            ratio = f" = {x['value'] / y['value']:.2f}x" if y["value"] else ""
+            if y["kind"] == "<":
+                st = "undecided (both missed the SLO at the floor)" if x["kind"] == "<" else "met"
+            elif x["value"] >= 1.3 * y["value"] * 0.99999:
+                st = "met" if y["kind"] != ">=" else "undecided (kvroute-noshare met the SLO up to the cap)"
+            else:
+                st = "missed" if x["kind"] != ">=" else "undecided (met the SLO up to the cap)"
+            if "sweep" in (x["method"], y["method"]):
+                st += " (read off the sweep)"
+            rows.append(dict(target=f"{pol} goodput @ 2 s >= 1.3x kvroute-noshare@{n} (issue 14, {n} gateways)",
+                             value=gp_text(x) + ratio, reference=f"kvroute-noshare@{n}: {gp_text(y)}", status=st))
+    return rows
+
+
+def replicas_markdown(res):
+    """Scenario x policy x gateways: hit rate and TTFT p50 / p90 at each load, goodput at the
+    main SLO and its ratio to one gateway's; then what the gateways shared."""
+    L = []
+    for n, s in res["scenarios"].items():
+        P = s["policies"]
+        if not any("@" in p for p in P):
+            continue
+        c = s["config"]
+        speeds = sorted(c["speeds"])
+        slo = f"{c['slo_s']:g}"
+        L += ["", f"## Gateway replicas: {n}", "",
+              f"Hit rate, TTFT p50 / p90 (simulated s) at each {c['load_name']}, goodput @ TTFT p90 <= {slo} s "
+              "(x one gateway's: kvroute-noshare and kvroute-precise-noshare against kvroute and kvroute-precise). "
+              "N > 1: N gateways behind one plain Envoy (ROUND_ROBIN over the gateways, request by request).", "",
+              "| policy | gateways | " + " | ".join(f"{c['load_name']} {sp:g}: hit | TTFT p50 / p90" for sp in speeds)
+              + f" | goodput @ {slo} s | x 1 gateway |",
+              "|---|---|" + "---|---|" * len(speeds) + "---|---|"]
+        pols = sorted(P, key=lambda p: (SUMMARY_POLICIES.index(parse_label(p)[0].replace("-noshare", ""))
+                                        if parse_label(p)[0].replace("-noshare", "") in SUMMARY_POLICIES else 99,
+                                        parse_label(p)[1], "-noshare" in p))
+        for pol in pols:
+            r = P[pol]
+            base, k = parse_label(pol)
+            cells = []
+            for sp in speeds:
+                x = r.get("runs", {}).get(f"{sp:g}")
+                if not x:
+                    cells.append("- | -")
+                    continue
+                err = "" if x["errors"] == 0 else f" ({x['errors']} err)"
+                cells.append(f"{x['hit_rate']:.3f} | {fmt(x['ttft_sim_s']['p50'], 2)} / {fmt(x['ttft_sim_s']['p90'], 2)}{err}")
+            g = (r.get("goodput") or {}).get(slo)
+            ref = (P.get(base.replace("-noshare", ""), {}).get("goodput") or {}).get(slo)
+            ratio = "-"
+            if g and ref and ref["value"]:
+                ratio = f"{g['value'] / ref['value']:.2f}"
+                if ">=" in (g["kind"], ref["kind"]) and not (g["kind"] == ref["kind"] == ">=" and g["lo"] == ref["lo"]):
+                    # A lower bound against another load's: no ratio.
+                    ratio = "- (bound)" if g["lo"] != ref["lo"] else ratio
+                elif g["kind"] == ref["kind"] == ">=":
+                    ratio = "1.00 (both bounds)"
+            if "error" in r and not r.get("runs"):
+                cells = [f"error: {r['error'][:80]}"] + ["-"] * (2 * len(speeds) - 1)
+            L.append(f"| {base} | {k} | " + " | ".join(cells) + f" | {gp_text(g)} | {ratio} |")
+        rows = []
+        for pol in pols:
+            for key, x in sorted(P[pol].get("runs", {}).items(), key=lambda kv: float(kv[0])):
+                sh = x.get("sharing")
+                if not sh:
+                    continue
+                d = sh.get("peers_delay_us") or {}
+                pr = sh.get("relay_propagation_ms") or {}
+
+                def rv(k, sh=sh):
+                    return f"{sh[k]:g}" if k in sh else "-"
+                rows.append(f"| {pol} | {key} | {'on' if sh['share'] else 'off'} | {sh['peers_sent']:g} | "
+                            f"{sh['peers_received']:g} | {sh['peers_dropped']:g} | {sh['peers_errors']:g} | "
+                            f"{sh['peers_gone']:g} | {fmt(d.get('p50'), 0)} / {fmt(d.get('p90'), 0)} / "
+                            f"{fmt(d.get('p99'), 0)} ({fmt(d.get('mean'), 0)}) | {rv('relay_decisions_published_total')} | "
+                            f"{rv('relay_decisions_nats_received_total')} | {rv('relay_decisions_dropped_total')} | "
+                            f"{fmt(pr.get('p50'), 1)} / {fmt(pr.get('p90'), 1)} / {fmt(pr.get('p99'), 1)} "
+                            f"({fmt(pr.get('mean'), 2)}) |")
+        if rows:
+            L += ["", "Decision sharing (end of each run, summed over the gateways):", "",
+                  f"| cell | {c['load_name']} | sharing | peers sent | peers received | dropped | errors | gone | "
+                  "peer delay p50 / p90 / p99 (mean), us | relays published | relays received from NATS | relays "
+                  "dropped | relay propagation p50 / p90 / p99 (mean), ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [
+                  "", "Envoy stats `kvroute_peers_*` (admin /stats/prometheus; sent: replication messages a "
+                  "gateway handed its relay, received: the routing events in the peers' messages it applied, so "
+                  "with N gateways about N-1 times sent x events per message; the delay "
+                  "histogram's quantiles are the upper bounds of Envoy's default buckets, the mean is exact), kvroute-relay's `kvroute_relay_decision*` "
+                  "(propagation: the decision's send time at the peer gateway -> the Update handed to this gateway's "
+                  "stream). Per gateway in results.json (`runs.<load>.sharing`)."]
+        t = [x for x in s.get("targets") or [] if "gateway" in x["target"]]
+        if t:
+            L += ["", "Issue 15's targets:", "", "| target | value | reference | status |", "|---|---|---|---|"]
+            L += [f"| {x['target']} | {x['value']} | {x['reference']} | **{x['status']}** |" for x in t]
+    return L
+
+
 def precise_markdown(cfg, res):
     """Per kvroute-tokenize / kvroute-precise run: tokenize calls, the relay stream, the event
     counters of the filter (Envoy stats) and of kvroute-relay (its /metrics), at the run's end."""
     rows = []
-    for pol in PRECISE_POLICIES:
+    for pol in [p for p in res["policies"] if parse_label(p)[0] in PRECISE_POLICIES]:
         r = res["policies"].get(pol, {})
         for key, x in sorted(r.get("runs", {}).items(), key=lambda kv: float(kv[0])):
             p = x.get("precise")
@@ -1117,7 +1491,7 @@ def precise_markdown(cfg, res):
             def rv(name, rl=rl):
                 return f"{stat(rl, 'kvroute_relay_' + name):g}" if rl else "-"
             share = p.get("tokenize_failed_share")
-            live = ("-" if pol != "kvroute-precise" else
+            live = ("-" if parse_label(pol)[0] not in EVENT_POLICIES else
                     f"{'yes' if p.get('stream_live_seen') else '**no**'} ({fmt(p.get('stream_live_min'), 0)}/"
                     f"{fmt(p.get('stream_live_max'), 0)}/{p.get('stream_live_end', 0):g})")
             rows.append(f"| {pol} | {key} | {p.get('tokenize_ok', 0):g} | {p.get('tokenize_failed', 0):g} | "
@@ -1141,7 +1515,7 @@ def precise_markdown(cfg, res):
             "full stat dump is in results.json (`runs.<load>.precise`)."]
 
 
-SUMMARY_POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
+SUMMARY_POLICIES = ["kvroute", "kvroute-noshare", "kvroute-precise-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
                     "envoy-ring-hash", "envoy-least-request", "envoy-random", "oracle"]
 
 
@@ -1166,7 +1540,8 @@ def summary_markdown(res):
           "|---|---|" + "---|---|---|---|" * nl]
     for n, s in sc:
         c = s["config"]
-        pols = sorted(s["policies"], key=lambda p: SUMMARY_POLICIES.index(p) if p in SUMMARY_POLICIES else 99)
+        pols = sorted(s["policies"], key=lambda p: (SUMMARY_POLICIES.index(parse_label(p)[0])
+                                                    if parse_label(p)[0] in SUMMARY_POLICIES else 99, parse_label(p)[1]))
         for pol in pols:
             r = s["policies"][pol]
             cells = []
@@ -1217,6 +1592,7 @@ def write_markdown(res, path):
                                      for k, v in b.items() if isinstance(v, dict))
               + (f"; tree at {b['git_head'][:7]}" if b.get("git_head") else ""), ""]
     L += summary_markdown(res)
+    L += replicas_markdown(res)
     for s in res["scenarios"].values():
         L += scenario_markdown(s["config"], s)
     ov = res.get("overhead")
@@ -1493,6 +1869,57 @@ def cfg_slo(cfg):
     return f"{cfg['slo_s']:g}"
 
 
+def plot_replicas(cfg, res, outdir, prefix=""):
+    """Gateway replicas: hit rate and p90 TTFT at each load, and goodput at the main SLO,
+    against the number of gateways, one line per policy (the -noshare lines start from their
+    policy's one-gateway cell)."""
+    P = res["policies"]
+    if not any("@" in p for p in P):
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = {}
+    for pol, r in P.items():
+        base, n = parse_label(pol)
+        if r.get("runs"):
+            lines.setdefault(base, {})[n] = r
+    for base in list(lines):
+        if base.endswith("-noshare") and base[:-len("-noshare")] in lines and 1 in lines[base[:-len("-noshare")]]:
+            lines[base].setdefault(1, lines[base[:-len("-noshare")]][1])
+    speeds = sorted(cfg["speeds"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    slo = f"{cfg['slo_s']:g}"
+    for j, (base, by_n) in enumerate(sorted(lines.items())):
+        ns = sorted(by_n)
+        col, ls = f"C{j}", "--" if base.endswith("-noshare") else "-"
+        for k, sp in enumerate(speeds):
+            key = f"{sp:g}"
+            pts = [(n, by_n[n]["runs"][key]) for n in ns if key in by_n[n]["runs"]]
+            mk = "o" if k == 0 else "s"
+            lab = f"{base} ({cfg['load_name']} {sp:g})"
+            axes[0].plot([n for n, _ in pts], [x["hit_rate"] for _, x in pts], ls=ls, marker=mk, color=col,
+                         alpha=1.0 if k else 0.6, label=lab)
+            axes[1].plot([n for n, _ in pts], [p90(x, "ttft_sim_s") for _, x in pts], ls=ls, marker=mk, color=col,
+                         alpha=1.0 if k else 0.6, label=lab)
+        gs = [(n, (by_n[n].get("goodput") or {}).get(slo)) for n in ns]
+        gs = [(n, g["value"]) for n, g in gs if g]
+        axes[2].plot([n for n, _ in gs], [v for _, v in gs], ls=ls, marker="o", color=col, label=base)
+    axes[0].set_ylabel("hit rate (cached / prompt tokens)")
+    axes[1].set_ylabel("p90 TTFT, simulated s")
+    axes[1].axhline(cfg["slo_s"], color="grey", ls=":", lw=1)
+    axes[2].set_ylabel(f"goodput @ p90 TTFT <= {slo} s ({cfg['load_name']})")
+    for ax in axes:
+        ax.set_xlabel("gateways")
+        ax.set_xticks(sorted({parse_label(p)[1] for p in P}))
+    axes[0].legend(fontsize=6)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"{cfg['scenario']}: gateway replicas (circles: first load, squares: second; dashed: sharing off)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, prefix + "replicas.png"), dpi=110)
+    plt.close(fig)
+
+
 def plot_overhead(res, outdir):
     import matplotlib
     matplotlib.use("Agg")
@@ -1653,6 +2080,7 @@ def write_plots(res, outdir):
         for n, sres in res["scenarios"].items():
             if sres["policies"]:
                 plot(sres["config"], sres, outdir, os.path.join(rawdir, n), prefix=f"{n}_")
+                plot_replicas(sres["config"], sres, outdir, prefix=f"{n}_")
         plot_overhead(res, outdir)
     except ImportError as e:
         log(f"no plots: {e} (run with build/bench-venv/bin/python)")
@@ -1673,6 +2101,9 @@ def main():
     ap.add_argument("--speeds", help="comma-separated offered loads for every scenario run (trace speed factor, "
                     "or new sessions per simulated second for synthetic scenarios; overrides the table)")
     ap.add_argument("--main-speed", type=float)
+    ap.add_argument("--replicas", default="1",
+                    help="comma-separated gateway counts, e.g. 1,2,4: policies that hold routing state run "
+                    "N gateways behind one round-robin Envoy, cells `POLICY@N` (bench/README.md) [1]")
     ap.add_argument("--count", type=int, help="trace requests (Mooncake) or sessions (synthetic)")
     ap.add_argument("--slo", type=float, help="the main p90 TTFT SLO (plots, tables), simulated seconds [2]")
     ap.add_argument("--slos", help="comma-separated p90 TTFT SLOs for goodput, simulated s [0.5,1,2,4]")
@@ -1744,6 +2175,9 @@ def main():
     for pol in policies:
         if pol not in POLICIES:
             sys.exit(f"unknown policy {pol}")
+    replicas = sorted({int(x) for x in a.replicas.split(",")})
+    if replicas != [1]:
+        policies = expand_replicas(policies, replicas)
     name = a.name or a.preset
     outdir = os.path.join(ROOT, "bench", "results", name)
     rawdir = os.path.join(outdir, "raw")
@@ -1755,7 +2189,8 @@ def main():
     t_start = time.time()
     res = {"name": name, "preset": a.preset, "split": a.split,
            "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}, "builds": build_info()}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}, "builds": build_info(),
+           "replicas": replicas}
     cfgs = {}
     if not a.only_overhead:
         for n in names:
