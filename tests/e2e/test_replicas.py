@@ -107,24 +107,28 @@ def test_a_nats_outage_fails_no_request_and_sharing_resumes(replicas):
 def test_a_gateway_that_dies_leaves_no_phantom_load(replicas):
     a, b = replicas.gateways
     msgs = [{"role": "user", "content": text(7, 4000)}]
-    # Slow requests through a, in flight when it dies.
+
+    def until(cond, timeout: float = 10.0) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return True
+            time.sleep(0.1)
+        return False
+
+    # Long generations through a, in flight when it dies: b charges them too (shared).
     with ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(a.post, CHAT, {"model": "mock-model", "messages": msgs, "max_tokens": 400})
-                for _ in range(4)]
-        time.sleep(0.3)
+        futs = [ex.submit(a.post, CHAT, {"model": "mock-model", "messages": msgs, "max_tokens": 20000},
+                          None, 30.0) for _ in range(4)]
+        assert until(lambda: b.stats().get("kvroute_active_requests", 0) >= 4), "b never saw a's requests"
         a.envoy.kill()
         for f in futs:
             try:
-                f.result(timeout=10)
+                f.result(timeout=30)
             except Exception:  # noqa: BLE001 - the gateway died under them, as intended
                 pass
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        if b.stats().get("kvroute_active_requests", 0) == 0:
-            break
-        time.sleep(0.2)
-    assert b.stats().get("kvroute_active_requests", 0) == 0, "b still charges a's requests"
-    assert b.stats().get("kvroute_peers_gone_total", 0) >= 1
+    assert until(lambda: b.stats().get("kvroute_peers_gone_total", 0) >= 1), "a was never reported gone"
+    assert until(lambda: b.stats().get("kvroute_active_requests", 0) == 0), "b still charges a's requests"
     # b keeps serving.
     chat(b, msgs)
     a.start_envoy(log_name="envoy-0")
