@@ -25,9 +25,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// Most hashes in one snapshot update.
 pub const SNAPSHOT_CHUNK: usize = 32768;
-/// A live update is sent once it holds this many hashes (or after `COALESCE`).
+/// A live update is sent once it holds this many hashes, or once no more changes are waiting.
 pub const LIVE_CHUNK: usize = 4096;
-pub const COALESCE: Duration = Duration::from_millis(1);
 
 /// The gRPC service (clone per connection).
 #[derive(Clone)]
@@ -273,7 +272,9 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
         return;
     };
     loop {
-        // Wait for the first change, then gather what arrives within COALESCE.
+        // Wait for the first change, then gather what is already waiting: no timer, so an
+        // engine event leaves at once (a 1 ms window cost 1-2 ms on tokio's timer wheel),
+        // while under load the changes that queued during the previous send go together.
         let mut pending: BTreeMap<usize, DeltaBuilder> = BTreeMap::new();
         let mut hashes = 0usize;
         let mut oldest: Option<u64> = None;
@@ -290,7 +291,6 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
             () = s.tx.closed() => return,
         };
         let mut next = Some(first);
-        let deadline = tokio::time::Instant::now() + COALESCE;
         while let Some(r) = next.take() {
             match r {
                 Ok(changes) => {
@@ -315,7 +315,16 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
             if hashes >= LIVE_CHUNK {
                 break;
             }
-            next = tokio::time::timeout_at(deadline, rx.recv()).await.ok();
+            next = match rx.try_recv() {
+                Ok(c) => Some(Ok(c)),
+                Err(broadcast::error::TryRecvError::Empty) => None,
+                Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                    Some(Err(broadcast::error::RecvError::Lagged(n)))
+                }
+                Err(broadcast::error::TryRecvError::Closed) => {
+                    Some(Err(broadcast::error::RecvError::Closed))
+                }
+            };
         }
         if lagged {
             add(&s.hub.stats.lagged_resnapshots, 1);
