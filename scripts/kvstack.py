@@ -415,6 +415,15 @@ class Stack:
     def post(self, path: str, body, headers: dict | None = None, timeout: float = 60.0):
         return request(self.listen, "POST", path, body, headers, timeout)
 
+    def wait_relay_live(self, timeout: float = 15.0) -> None:
+        """Until kvroute's relay stream has delivered its snapshot (`kvroute_precise_stream_live`)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.stats().get("kvroute_precise_stream_live", 0) >= 1:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"relay stream never went live; envoy log tail:\n{self.envoy_log()[-3000:]}")
+
     def stats(self) -> dict[str, float]:
         """kvroute stats from /stats/prometheus as {'name{labels}': value}."""
         _, _, body = request(self.admin, "GET", "/stats/prometheus")

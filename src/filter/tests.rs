@@ -984,23 +984,27 @@ const LLAMA_METRICS: &str = "# TYPE llamacpp:requests_processing gauge\n\
     llamacpp:requests_processing 3\nllamacpp:requests_deferred 2\n";
 
 impl Vm {
-    /// Answers the scrape with `token`: a status and body, or no answer at all (`None`).
-    fn scrape_answer(&self, token: u32, answer: Option<(&str, &str)>) {
-        let (n, size) = {
-            let mut f = self.f();
-            match answer {
-                Some((status, body)) => {
-                    f.call_headers = vec![(":status".into(), status.into())];
-                    f.call_body = body.as_bytes().to_vec();
-                    (1, body.len())
-                }
-                None => {
-                    f.call_headers.clear();
-                    f.call_body.clear();
-                    (0, 0)
-                }
+    /// Sets what the next `on_http_call_response` reads: a status and body, or no answer at
+    /// all (`None`); returns its (headers, body size).
+    fn set_call_answer(&self, answer: Option<(&str, &str)>) -> (usize, usize) {
+        let mut f = self.f();
+        match answer {
+            Some((status, body)) => {
+                f.call_headers = vec![(":status".into(), status.into())];
+                f.call_body = body.as_bytes().to_vec();
+                (1, body.len())
             }
-        };
+            None => {
+                f.call_headers.clear();
+                f.call_body.clear();
+                (0, 0)
+            }
+        }
+    }
+
+    /// Answers the scrape with `token`.
+    fn scrape_answer(&self, token: u32, answer: Option<(&str, &str)>) {
+        let (n, size) = self.set_call_answer(answer);
         self.state.borrow_mut().on_scrape(token, n, size);
     }
 
@@ -1261,21 +1265,7 @@ const TOKENIZE: &str =
 impl Vm {
     /// Answers the HTTP call `token` of context `h` (None: no answer, a timeout).
     fn call_answer(&self, h: &mut Http, token: u32, answer: Option<(&str, &str)>) {
-        let (n, size) = {
-            let mut f = self.f();
-            match answer {
-                Some((status, body)) => {
-                    f.call_headers = vec![(":status".into(), status.into())];
-                    f.call_body = body.as_bytes().to_vec();
-                    (1, body.len())
-                }
-                None => {
-                    f.call_headers.clear();
-                    f.call_body.clear();
-                    (0, 0)
-                }
-            }
-        };
+        let (n, size) = self.set_call_answer(answer);
         h.on_http_call_response(token, n, size, 0);
     }
 }

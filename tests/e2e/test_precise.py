@@ -49,15 +49,6 @@ def post(stack: Stack, prompt: list[int]) -> tuple[str, int, int]:
     return headers["x-worker-id"], int(headers["x-kvroute-predicted-cached-tokens"]), cached
 
 
-def wait_live(stack: Stack, timeout: float = 15.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if stack.stats().get("kvroute_precise_stream_live", 0) >= 1:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"relay stream never went live; envoy log tail:\n{stack.envoy_log()[-3000:]}")
-
-
 def fleet(n: int = 2, kv_blocks: int = 4096) -> list[Worker]:
     return [Worker(f"decode-{i}", role="decode", kv_blocks=kv_blocks) for i in range(1, n + 1)]
 
@@ -65,7 +56,7 @@ def fleet(n: int = 2, kv_blocks: int = 4096) -> list[Worker]:
 @pytest.fixture()
 def precise():
     s = Stack(fleet(), kvroute={"disaggregation": {"threshold_tokens": 0}}, concurrency=2, relay=True).start()
-    wait_live(s)
+    s.wait_relay_live()
     yield s
     s.stop()
 
@@ -117,7 +108,7 @@ def eviction_run(relay: bool, bypass_every: int) -> float:
               concurrency=2, relay=relay).start()
     try:
         if relay:
-            wait_live(s)
+            s.wait_relay_live()
 
         def one(k: int):
             prompt = docs[order[k]] + tokens(5000 + k, 2 * BLOCK)
@@ -164,7 +155,7 @@ def test_a_relay_restart_fails_no_request_and_is_repaired(precise):
         time.sleep(0.05)
     assert precise.stats().get("kvroute_precise_stream_failures_total", 0) >= 1
     precise.relay.start(precise.dir)
-    wait_live(precise, timeout=20)
+    precise.wait_relay_live(timeout=20)
     # The new relay learns from the engines again.
     other = tokens(4, 32 * BLOCK)
     w, _, _ = post(precise, other)
@@ -181,7 +172,7 @@ def test_chat_prompts_match_engine_events_through_the_tokenizer():
                                 "tokenize": {"cluster": workers[0].name, "timeout_ms": 200}},
               concurrency=2, relay=True).start()
     try:
-        wait_live(s)
+        s.wait_relay_live()
         system = " ".join(f"rule {i}: answer briefly and cite the handbook section {i * 7}." for i in range(60))
         first = None
         for turn in range(5):

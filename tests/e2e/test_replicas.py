@@ -28,15 +28,6 @@ def fleet(n: int = 4) -> list[Worker]:
     return [Worker(f"decode-{i}", role="decode") for i in range(1, n + 1)]
 
 
-def wait_live(g: Stack, timeout: float = 15.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if g.stats().get("kvroute_precise_stream_live", 0) >= 1:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"relay stream never went live:\n{g.envoy_log()[-3000:]}")
-
-
 def chat(g: Stack, messages: list[dict]) -> tuple[str, str]:
     status, headers, data = g.post(CHAT, {"model": "mock-model", "messages": messages, "max_tokens": 8})
     assert status == 200, data[:300]
@@ -67,7 +58,7 @@ def conversations(r: Replicas, n: int, turns: int = 3, pause: float = 0.05) -> f
 def replicas():
     r = Replicas(fleet(), n=2, kvroute={"disaggregation": {"threshold_tokens": 0}}).start()
     for g in r.gateways:
-        wait_live(g)
+        g.wait_relay_live()
     yield r
     r.stop()
 
@@ -84,7 +75,7 @@ def test_without_sharing_the_other_gateway_does_not_know_the_conversation():
     r = Replicas(fleet(), n=2, kvroute={"disaggregation": {"threshold_tokens": 0}}, share=False).start()
     try:
         for g in r.gateways:
-            wait_live(g)
+            g.wait_relay_live()
         alone = conversations(r, 12)
     finally:
         r.stop()
@@ -132,4 +123,4 @@ def test_a_gateway_that_dies_leaves_no_phantom_load(replicas):
     # b keeps serving.
     chat(b, msgs)
     a.start_envoy(log_name="envoy-0")
-    wait_live(a)
+    a.wait_relay_live()
