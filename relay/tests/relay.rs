@@ -1,101 +1,19 @@
 //! End to end: a fake vLLM engine (zeromq PUB + ROUTER replay, vLLM's framing) feeds the relay;
 //! a tonic client watches the gRPC stream.
 
-use bytes::Bytes;
+mod common;
+
+use common::{hand_fed, next, start_relay, watch, FakeEngine, Stream};
 use kvroute::hashing::{chain_seed, token_block_hash};
-use kvroute::precise::wire::{Phase, Update, WatchRequest, METHOD, SERVICE};
+use kvroute::precise::wire::{Phase, Update};
 use kvroute_relay::engine::{self, EngineOpts};
-use kvroute_relay::hub::{EngineSpec, Hub};
+use kvroute_relay::hub::Hub;
 use kvroute_relay::vllm::{batch, chain, Ev, Hash};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tonic::codec::ProstCodec;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const BS: u32 = 4;
-
-/// Replay buffer of the fake engine: (seq, payload).
-type Buffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
-
-/// A fake engine: publishes batches and answers replay requests from its buffer.
-struct FakeEngine {
-    publisher: PubSocket,
-    buffer: Buffer,
-    pub_ep: String,
-    replay_ep: String,
-}
-
-impl FakeEngine {
-    async fn start() -> FakeEngine {
-        let mut publisher = PubSocket::new();
-        let pub_ep = publisher
-            .bind("tcp://127.0.0.1:0")
-            .await
-            .unwrap()
-            .to_string();
-        let mut router = RouterSocket::new();
-        let replay_ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        let buffer: Buffer = Arc::default();
-        let buf = buffer.clone();
-        tokio::spawn(async move {
-            while let Ok(req) = router.recv().await {
-                let f = req.into_vec();
-                // [identity, "", start_seq]: what vLLM's ROUTER requires (exactly 3 frames).
-                assert_eq!(f.len(), 3, "replay request frames: {f:?}");
-                assert!(f[1].is_empty());
-                let start = u64::from_be_bytes(f[2].as_ref().try_into().unwrap());
-                let items: Vec<(u64, Vec<u8>)> = buf
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .filter(|(s, _)| *s >= start)
-                    .cloned()
-                    .collect();
-                for (seq, payload) in items {
-                    let m = msg(vec![
-                        f[0].clone(),
-                        Bytes::new(),
-                        Bytes::copy_from_slice(&seq.to_be_bytes()),
-                        Bytes::from(payload),
-                    ]);
-                    router.send(m).await.unwrap();
-                }
-                let end = msg(vec![
-                    f[0].clone(),
-                    Bytes::new(),
-                    Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
-                    Bytes::new(),
-                ]);
-                router.send(end).await.unwrap();
-            }
-        });
-        FakeEngine {
-            publisher,
-            buffer,
-            pub_ep,
-            replay_ep,
-        }
-    }
-
-    /// Buffers batch `seq` for replay and publishes it unless `drop`.
-    async fn emit(&mut self, seq: u64, evs: &[Ev], drop: bool) {
-        let payload = batch(evs, seq % 2 == 1);
-        self.buffer.lock().unwrap().push((seq, payload.clone()));
-        if !drop {
-            let m = msg(vec![
-                Bytes::from_static(b"kv"),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                Bytes::from(payload),
-            ]);
-            self.publisher.send(m).await.unwrap();
-        }
-    }
-}
-
-fn msg(frames: Vec<Bytes>) -> ZmqMessage {
-    ZmqMessage::try_from(frames).unwrap()
-}
 
 fn kv(model: &str, blocks: &[Vec<u32>]) -> Vec<u64> {
     let seed = chain_seed(model, None);
@@ -114,42 +32,6 @@ fn toks(first: u32, n: usize) -> Vec<Vec<u32>> {
     (0..n as u32)
         .map(|i| (0..BS).map(|j| first + i * BS + j).collect())
         .collect()
-}
-
-async fn start_relay(hub: Arc<Hub>) -> String {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(kvroute_relay::grpc::serve(hub, l));
-    format!("http://{addr}")
-}
-
-type Stream = tonic::codec::Streaming<Update>;
-
-async fn watch(url: &str, block_size: u32) -> Result<Stream, tonic::Status> {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready().await.unwrap();
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{METHOD}")).unwrap();
-    let req = WatchRequest {
-        gateway: "test".into(),
-        block_size,
-        ..WatchRequest::default()
-    };
-    g.server_streaming(tonic::Request::new(req), path, ProstCodec::default())
-        .await
-        .map(tonic::Response::into_inner)
-}
-
-async fn next(s: &mut Stream) -> Update {
-    tokio::time::timeout(Duration::from_secs(10), s.message())
-        .await
-        .expect("no update within 10 s")
-        .unwrap()
-        .expect("stream ended")
 }
 
 /// Reads updates until `done` holds over everything seen for worker "w"; returns them.
@@ -183,6 +65,10 @@ fn removed(us: &[Update]) -> Vec<u64> {
         .collect()
 }
 
+fn any_cleared(us: &[Update]) -> bool {
+    us.iter().flat_map(|u| &u.workers).any(|w| w.cleared)
+}
+
 fn opts() -> EngineOpts {
     EngineOpts {
         replay_timeout: Duration::from_secs(2),
@@ -192,22 +78,14 @@ fn opts() -> EngineOpts {
     }
 }
 
-async fn wait_live(hub: &Hub) {
-    for _ in 0..200 {
-        let live = {
-            let st = hub.lock();
-            st.workers
-                .iter()
-                .all(|w| !w.stale && w.stats.connected.load(Relaxed))
-        };
-        if live {
-            // Give the subscription time to reach the publisher.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("engine never became live");
+/// Runs engine "w" of `eng` in a new hub; returns the hub once the engine is live.
+async fn relay_on(eng: &FakeEngine, capacity: usize, o: EngineOpts) -> Arc<Hub> {
+    let hub = Hub::new(BS, capacity);
+    tokio::spawn(engine::run(hub.clone(), eng.spec(), o));
+    common::wait_live(&hub).await;
+    // Give the subscription time to reach the publisher.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    hub
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -217,15 +95,7 @@ async fn snapshot_deltas_gap_repair_and_restart() {
     eng.emit(0, &[chain(None, 100, 2, BS, 0)], false).await;
     let a = kv("m", &toks(0, 2));
 
-    let hub = Hub::new(BS, 1024);
-    let spec = EngineSpec {
-        name: "w".into(),
-        endpoint: eng.pub_ep.clone(),
-        replay: Some(eng.replay_ep.clone()),
-        model: "m".into(),
-    };
-    tokio::spawn(engine::run(hub.clone(), spec, opts()));
-    wait_live(&hub).await;
+    let hub = relay_on(&eng, 1024, opts()).await;
     let url = start_relay(hub.clone()).await;
 
     let mut s = watch(&url, BS).await.unwrap();
@@ -262,7 +132,7 @@ async fn snapshot_deltas_gap_repair_and_restart() {
     eng.emit(0, &[chain(None, 500, 1, BS, 1000)], false).await;
     let d = kv("m", &toks(1000, 1));
     let (us, seq) = until(&mut s, seq, |us| stored(us).contains(&d[0])).await;
-    assert!(us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert!(any_cleared(&us));
     assert_eq!(stats.restarts.load(Relaxed), 1);
     assert_eq!(hub.lock().workers[0].index.blocks.len(), 1);
 
@@ -270,7 +140,7 @@ async fn snapshot_deltas_gap_repair_and_restart() {
     eng.emit(3, &[chain(None, 600, 1, BS, 2000)], false).await;
     let e = kv("m", &toks(2000, 1));
     let (us, _) = until(&mut s, seq, |us| stored(us).contains(&e[0])).await;
-    assert!(us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert!(any_cleared(&us));
     assert_eq!(stats.gaps_unrepaired.load(Relaxed), 1);
     assert_eq!(hub.lock().workers[0].index.blocks.len(), 1);
 
@@ -310,12 +180,7 @@ async fn empty_relay_sends_an_empty_snapshot_end() {
 #[tokio::test]
 async fn big_snapshots_are_chunked() {
     let hub = Hub::new(1, 16);
-    let (w, _) = hub.add_engine(&EngineSpec {
-        name: "big".into(),
-        endpoint: "tcp://127.0.0.1:1".into(),
-        replay: None,
-        model: "m".into(),
-    });
+    let (w, _) = hub.add_engine(&hand_fed("big"));
     let n = 70_000u64;
     {
         let mut st = hub.lock();
@@ -353,12 +218,7 @@ async fn lagging_stream_gets_a_fresh_snapshot() {
     use kvroute_relay::hub::Change;
     use kvroute_relay::index::Delta;
     let hub = Hub::new(1, 2);
-    let (w, _) = hub.add_engine(&EngineSpec {
-        name: "w".into(),
-        endpoint: "tcp://127.0.0.1:1".into(),
-        replay: None,
-        model: "m".into(),
-    });
+    let (w, _) = hub.add_engine(&hand_fed("w"));
     let url = start_relay(hub.clone()).await;
     let mut s = watch(&url, 1).await.unwrap();
     assert_eq!(next(&mut s).await.phase, Phase::SnapshotEnd as i32);
@@ -403,19 +263,11 @@ async fn lagging_stream_gets_a_fresh_snapshot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_engine_is_marked_stale() {
     let eng = FakeEngine::start().await;
-    let hub = Hub::new(BS, 64);
-    let spec = EngineSpec {
-        name: "w".into(),
-        endpoint: eng.pub_ep.clone(),
-        replay: Some(eng.replay_ep.clone()),
-        model: "m".into(),
-    };
     let o = EngineOpts {
         probe_after: Duration::from_millis(300),
         ..opts()
     };
-    tokio::spawn(engine::run(hub.clone(), spec, o));
-    wait_live(&hub).await;
+    let hub = relay_on(&eng, 64, o).await;
     let url = start_relay(hub.clone()).await;
     let mut s = watch(&url, BS).await.unwrap();
     let snap = next(&mut s).await;
@@ -435,15 +287,7 @@ async fn lost_engine_is_marked_stale() {
 async fn replayed_batches_seen_live_are_duplicates() {
     let mut eng = FakeEngine::start().await;
     eng.emit(0, &[chain(None, 100, 1, BS, 0)], true).await;
-    let hub = Hub::new(BS, 64);
-    let spec = EngineSpec {
-        name: "w".into(),
-        endpoint: eng.pub_ep.clone(),
-        replay: Some(eng.replay_ep.clone()),
-        model: "m".into(),
-    };
-    tokio::spawn(engine::run(hub.clone(), spec, opts()));
-    wait_live(&hub).await;
+    let hub = relay_on(&eng, 64, opts()).await;
     let stats = hub.lock().workers[0].stats.clone();
     assert_eq!(
         hub.lock().workers[0].index.blocks.len(),
@@ -455,16 +299,11 @@ async fn replayed_batches_seen_live_are_duplicates() {
     next(&mut s).await;
     // Batch 0 arrives live too (it was queued while the relay replayed).
     let payload = batch(&[chain(None, 100, 1, BS, 0)], false);
-    let m = msg(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&0u64.to_be_bytes()),
-        Bytes::from(payload),
-    ]);
-    eng.publisher.send(m).await.unwrap();
+    eng.publish_on(b"", 0, payload).await;
     eng.emit(1, &[chain(Some(100), 101, 1, BS, 4)], false).await;
     let b = kv("m", &toks(0, 2))[1];
     let (us, seq) = until(&mut s, 1, |us| stored(us).contains(&b)).await;
-    assert!(!us.iter().flat_map(|u| &u.workers).any(|w| w.cleared));
+    assert!(!any_cleared(&us));
     assert_eq!(stats.restarts.load(Relaxed), 0);
     // Now a restart: a new process, whose replay buffer starts empty (with the old batches
     // left in it, the relay's next probe would read the old batch 0 and count a second restart).

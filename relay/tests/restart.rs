@@ -4,26 +4,22 @@
 //! The fake engine runs on its own thread and tokio runtime, like a process: stopping it
 //! drops the runtime, which closes every socket and connection at once.
 
-use bytes::Bytes;
-use kvroute::precise::wire::{Phase, Update, WatchRequest, METHOD, SERVICE};
+mod common;
+
+use common::{engine_spec, next, start_relay, wait_live, FakeEngine, Stream};
+use kvroute::precise::wire::Phase;
 use kvroute_relay::engine::{self, EngineOpts};
 use kvroute_relay::hub::{EngineSpec, Hub};
 use kvroute_relay::vllm::{batch, chain, Ev};
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tonic::codec::ProstCodec;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const BS: u32 = 4;
 
-fn msg(frames: Vec<Bytes>) -> ZmqMessage {
-    ZmqMessage::try_from(frames).unwrap()
-}
-
-/// A fake vLLM engine "process": PUB + ROUTER replay bound on the given endpoints, its
-/// first batches published (and buffered) at start-up.
+/// A fake vLLM engine "process": the fake engine on its own thread and runtime, bound on the
+/// given endpoints, its first batches published (and buffered) at start-up.
 struct Proc {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -45,60 +41,11 @@ impl Proc {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let mut publisher = PubSocket::new();
-                let p = publisher.bind(&pub_ep).await.unwrap().to_string();
-                let mut router = RouterSocket::new();
-                let r = router.bind(&replay_ep).await.unwrap().to_string();
-                let bound_at = Instant::now();
-                let buffer: Vec<(u64, Vec<u8>)> = batches
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, b)| (i as u64, b))
-                    .collect();
-                for (seq, payload) in &buffer {
-                    let m = msg(vec![
-                        Bytes::from_static(b"kv"),
-                        Bytes::copy_from_slice(&seq.to_be_bytes()),
-                        Bytes::from(payload.clone()),
-                    ]);
-                    publisher.send(m).await.unwrap();
-                }
-                let buffer = Arc::new(Mutex::new(buffer));
-                tokio::spawn(async move {
-                    while let Ok(req) = router.recv().await {
-                        let f = req.into_vec();
-                        assert_eq!(f.len(), 3, "replay request frames: {f:?}");
-                        let start = u64::from_be_bytes(f[2].as_ref().try_into().unwrap());
-                        let items: Vec<(u64, Vec<u8>)> = buffer
-                            .lock()
-                            .unwrap()
-                            .iter()
-                            .filter(|(s, _)| *s >= start)
-                            .cloned()
-                            .collect();
-                        for (seq, payload) in items {
-                            let m = msg(vec![
-                                f[0].clone(),
-                                Bytes::new(),
-                                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                                Bytes::from(payload),
-                            ]);
-                            if router.send(m).await.is_err() {
-                                break;
-                            }
-                        }
-                        let end = msg(vec![
-                            f[0].clone(),
-                            Bytes::new(),
-                            Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
-                            Bytes::new(),
-                        ]);
-                        let _ = router.send(end).await;
-                    }
-                });
-                ready_tx.send((p, r, bound_at)).unwrap();
+                let eng = FakeEngine::bind(&pub_ep, &replay_ep, batches).await;
+                let ready = (eng.pub_ep.clone(), eng.replay_ep.clone(), eng.bound_at);
+                ready_tx.send(ready).unwrap();
                 let _ = stop_rx.await;
-                drop(publisher);
+                drop(eng);
             });
             rt.shutdown_timeout(Duration::from_secs(1));
         });
@@ -112,6 +59,10 @@ impl Proc {
         }
     }
 
+    fn spec(&self) -> EngineSpec {
+        engine_spec(&self.pub_ep, &self.replay_ep)
+    }
+
     fn kill(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -122,37 +73,9 @@ impl Proc {
     }
 }
 
-type Stream = tonic::codec::Streaming<Update>;
-
+/// Serves the hub's gRPC and watches it.
 async fn watch(hub: Arc<Hub>) -> Stream {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    tokio::spawn(kvroute_relay::grpc::serve(hub, l));
-    let ch = tonic::transport::Endpoint::from_shared(url)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready().await.unwrap();
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{METHOD}")).unwrap();
-    let req = WatchRequest {
-        gateway: "test".into(),
-        block_size: BS,
-        ..WatchRequest::default()
-    };
-    g.server_streaming(tonic::Request::new(req), path, ProstCodec::default())
-        .await
-        .unwrap()
-        .into_inner()
-}
-
-async fn next(s: &mut Stream) -> Update {
-    tokio::time::timeout(Duration::from_secs(10), s.message())
-        .await
-        .expect("no update within 10 s")
-        .unwrap()
-        .expect("stream ended")
+    common::watch(&start_relay(hub).await, BS).await.unwrap()
 }
 
 /// Reads updates until one has worker "w" matching `f`; returns when it was read.
@@ -166,24 +89,6 @@ async fn until_worker(
             return Instant::now();
         }
     }
-}
-
-async fn wait_live(hub: &Hub) {
-    for _ in 0..400 {
-        let live = {
-            let st = hub.lock();
-            !st.workers.is_empty()
-                && st
-                    .workers
-                    .iter()
-                    .all(|w| !w.stale && w.stats.connected.load(Relaxed))
-        };
-        if live {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("engine never became live");
 }
 
 fn opts() -> EngineOpts {
@@ -201,18 +106,18 @@ fn first_life() -> Vec<Vec<u8>> {
     ]
 }
 
-/// Starts process A, the relay and a watcher; returns them once the watcher holds A's blocks.
-async fn setup() -> (Proc, Arc<Hub>, Stream) {
+/// Starts process A (its first life) and a relay supervising it; returns them once live.
+async fn supervised(o: EngineOpts) -> (Proc, Arc<Hub>) {
     let a = Proc::start("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", first_life());
     let hub = Hub::new(BS, 1024);
-    let spec = EngineSpec {
-        name: "w".into(),
-        endpoint: a.pub_ep.clone(),
-        replay: Some(a.replay_ep.clone()),
-        model: "m".into(),
-    };
-    tokio::spawn(engine::supervise(hub.clone(), spec, opts()));
+    tokio::spawn(engine::supervise(hub.clone(), a.spec(), o));
     wait_live(&hub).await;
+    (a, hub)
+}
+
+/// Starts process A, the relay and a watcher; returns them once the watcher holds A's blocks.
+async fn setup() -> (Proc, Arc<Hub>, Stream) {
+    let (a, hub) = supervised(opts()).await;
     let mut s = watch(hub.clone()).await;
     let snap = next(&mut s).await;
     assert_eq!(snap.phase, Phase::SnapshotEnd as i32);
@@ -272,21 +177,12 @@ async fn idle_engine_restart_is_cleared_quickly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panicking_engine_task_is_restarted() {
-    let a = Proc::start("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", first_life());
-    let hub = Hub::new(BS, 1024);
-    let spec = EngineSpec {
-        name: "w".into(),
-        endpoint: a.pub_ep.clone(),
-        replay: Some(a.replay_ep.clone()),
-        model: "m".into(),
-    };
     let flag = Arc::new(AtomicBool::new(false));
     let o = EngineOpts {
         inject_panic: Some(flag.clone()),
         ..opts()
     };
-    tokio::spawn(engine::supervise(hub.clone(), spec, o));
-    wait_live(&hub).await;
+    let (a, hub) = supervised(o).await;
     let mut s = watch(hub.clone()).await;
     assert_eq!(next(&mut s).await.workers[0].stored.len(), 3);
     flag.store(true, SeqCst);
