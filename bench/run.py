@@ -32,7 +32,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
-from kvstack import free_port  # noqa: E402  (one port never handed out twice)
+from kvstack import free_port, prom_samples  # noqa: E402  (free_port: one port never handed out twice)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenarios  # noqa: E402  (the scenario table)
@@ -510,15 +510,7 @@ def prom(url, prefixes):
     """Samples of a Prometheus text page whose names start with one of prefixes, as
     {'name{labels}': value} ('{}' dropped)."""
     _, _, b = http("GET", url, timeout=5)
-    out = {}
-    for line in b.decode().splitlines():
-        if line.startswith(tuple(prefixes)) and " " in line:
-            k, v = line.rsplit(" ", 1)
-            try:
-                out[k.replace("{}", "")] = float(v)
-            except ValueError:
-                pass
-    return out
+    return prom_samples(b.decode(), tuple(prefixes))
 
 
 def envoy_kvroute_stats(admin):

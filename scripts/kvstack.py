@@ -220,15 +220,7 @@ class Relay:
 
     def metrics(self) -> dict[str, float]:
         _, _, body = request(self.metrics_port, "GET", "/metrics")
-        out = {}
-        for line in body.decode().splitlines():
-            if line and not line.startswith("#") and " " in line:
-                k, v = line.rsplit(" ", 1)
-                try:
-                    out[k] = float(v)
-                except ValueError:
-                    pass
-        return out
+        return prom_samples(body.decode(), ("kvroute_relay_",))
 
 
 class Nats:
@@ -427,15 +419,21 @@ class Stack:
     def stats(self) -> dict[str, float]:
         """kvroute stats from /stats/prometheus as {'name{labels}': value}."""
         _, _, body = request(self.admin, "GET", "/stats/prometheus")
-        out = {}
-        for line in body.decode().splitlines():
-            if line.startswith("kvroute_") and " " in line:
-                k, v = line.rsplit(" ", 1)
-                try:
-                    out[k.replace("{}", "")] = float(v)
-                except ValueError:
-                    pass
-        return out
+        return prom_samples(body.decode(), ("kvroute_",))
+
+
+def prom_samples(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """Samples of a Prometheus text page whose names start with one of `prefixes`, as
+    {'name{labels}': value} (an empty '{}' dropped)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes) and " " in line:
+            k, v = line.rsplit(" ", 1)
+            try:
+                out[k.replace("{}", "")] = float(v)
+            except ValueError:
+                pass
+    return out
 
 
 def request(port: int, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60.0):
