@@ -55,6 +55,11 @@ impl RelayStream {
         }
     }
 
+    /// This VM holds a stream that takes this process's decisions.
+    pub fn sharing_now(&self) -> bool {
+        self.token.is_some() && self.sharing
+    }
+
     /// This VM holds the stream (for the root context's gRPC callbacks).
     pub fn holds(&self, token: u32) -> bool {
         self.token == Some(token)
@@ -142,7 +147,7 @@ impl State {
     /// Queues one of this process's replication messages for other gateways (when this VM
     /// holds a sharing stream).
     pub(super) fn relay_share(&mut self, msg: &[u8]) {
-        if self.relay.token.is_none() || !self.relay.sharing {
+        if !self.relay.sharing_now() {
             return;
         }
         if self.relay.out_bytes + msg.len() > SHARE_BUFFER_BYTES {

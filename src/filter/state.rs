@@ -209,7 +209,8 @@ impl State {
             } else {
                 core::mem::take(&mut self.outbox_local)
             };
-            if evs.is_empty() {
+            let to_relay = shared && self.relay.sharing_now();
+            if evs.is_empty() || (self.repl.is_none() && !to_relay) {
                 continue;
             }
             let msg = events::encode(self.host.now_ns(), &evs);
@@ -217,7 +218,7 @@ impl State {
                 let n = r.broadcast(self.bus.as_ref(), self.host.now_ms(), &msg);
                 self.metrics.repl_sent.add((n * evs.len()) as u64);
             }
-            if shared {
+            if to_relay {
                 self.relay_share(&msg);
             }
         }
