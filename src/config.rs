@@ -175,6 +175,10 @@ pub struct ScoringConfig {
     pub recompute_weight: f64,
     /// Upper bound of that extra weight.
     pub recompute_weight_max: f64,
+    /// Extra weight on recomputed prefill even with no queue anywhere: the recomputed
+    /// tokens share the worker's batches with everyone decoding there, and the copy they
+    /// make duplicates cache the fleet already has.
+    pub recompute_weight_min: f64,
     /// Cost of one block of an in-flight request's context, counted per request: every
     /// decode step attends over each request's whole context, so a worker decoding many long
     /// requests is slower for the next one even when they share a prefix in memory.
@@ -185,6 +189,19 @@ pub struct ScoringConfig {
     /// Share of a worker's KV above which every further block held costs as much as a block
     /// of prefill (preemption and eviction of cached prefixes start there).
     pub kv_watermark: f64,
+    /// A worker whose recent requests (decaying with `cache_balance_half_life_ms`) exceed
+    /// this many times the fleet's mean is a hot spot: the excess costs
+    /// `request_ratio_weight` x the excess (in means) x the request's prompt blocks, so
+    /// requests cached elsewhere too leave first, and a prefix held only there is copied
+    /// to a second worker once the excess outweighs recomputing it. 0 disables.
+    pub request_ratio: f64,
+    pub request_ratio_weight: f64,
+    /// Recent requests a worker may take beyond the ratio before it counts (a run's first
+    /// requests say little about shares).
+    pub request_ratio_slack: f64,
+    /// Requests in flight below which a worker is no hot spot whatever its share: it is idle
+    /// when the request lands (a quiet fleet's sequential requests keep their worker).
+    pub request_ratio_min_inflight: u32,
 }
 
 impl Default for ScoringConfig {
@@ -198,9 +215,14 @@ impl Default for ScoringConfig {
             cache_balance_half_life_ms: 60_000,
             recompute_weight: 1.0,
             recompute_weight_max: 8.0,
+            recompute_weight_min: 0.0,
             decode_weight: 0.05,
             duplicate_weight: 4.0,
             kv_watermark: 0.9,
+            request_ratio: 1.25,
+            request_ratio_weight: 64.0,
+            request_ratio_slack: 8.0,
+            request_ratio_min_inflight: 2,
         }
     }
 }
@@ -565,12 +587,22 @@ impl Config {
             ("scoring.cache_balance", s.cache_balance),
             ("scoring.recompute_weight", s.recompute_weight),
             ("scoring.recompute_weight_max", s.recompute_weight_max),
+            ("scoring.recompute_weight_min", s.recompute_weight_min),
             ("scoring.decode_weight", s.decode_weight),
             ("scoring.duplicate_weight", s.duplicate_weight),
+            ("scoring.request_ratio_weight", s.request_ratio_weight),
+            ("scoring.request_ratio_slack", s.request_ratio_slack),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(err(name, "must be a finite number >= 0"));
             }
+        }
+        // Below 1 every worker would be over it at once; 0 is the documented off switch.
+        if !(s.request_ratio.is_finite() && (s.request_ratio == 0.0 || s.request_ratio >= 1.0)) {
+            return Err(err(
+                "scoring.request_ratio",
+                "must be 0 (off) or at least 1",
+            ));
         }
         if !(s.kv_watermark.is_finite() && s.kv_watermark > 0.0 && s.kv_watermark <= 1.0) {
             return Err(err("scoring.kv_watermark", "must be above 0 and at most 1"));

@@ -117,6 +117,8 @@ struct WorkerLoad {
     unhealthy_until_ms: u64,
     failures: u32,
     fresh_blocks: f64,
+    /// Requests routed here, decaying like `fresh_blocks` (same clock and half-life).
+    recent_requests: f64,
     fresh_at_ms: u64,
 }
 
@@ -164,6 +166,9 @@ pub struct WorkerView {
     /// Blocks of every active request's context, shared prefixes per request (decode work).
     pub context_blocks: u64,
     pub fresh_blocks: f64,
+    /// Requests routed here recently (decaying with the cache-pressure half-life): the
+    /// worker's share of the traffic, whatever each request cost.
+    pub recent_requests: f64,
     pub healthy: bool,
     /// Latest report if it is younger than the age limit asked for.
     pub report: Option<Report>,
@@ -245,6 +250,12 @@ impl LoadTable {
                 p.fresh_half_life_ms,
             );
             w.fresh_blocks = decayed + fresh;
+            w.recent_requests = decay(
+                w.recent_requests,
+                w.fresh_at_ms,
+                r.now_ms,
+                p.fresh_half_life_ms,
+            ) + 1.0;
             w.fresh_at_ms = w.fresh_at_ms.max(r.now_ms);
         }
         self.active.insert(
@@ -400,6 +411,12 @@ impl LoadTable {
             context_blocks: wl.context_blocks,
             fresh_blocks: decay(
                 wl.fresh_blocks,
+                wl.fresh_at_ms,
+                now_ms,
+                self.params.fresh_half_life_ms,
+            ),
+            recent_requests: decay(
+                wl.recent_requests,
                 wl.fresh_at_ms,
                 now_ms,
                 self.params.fresh_half_life_ms,

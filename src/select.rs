@@ -5,7 +5,7 @@
 //!   uncached  = max(0, prompt_tokens / block_size - credit * overlap)
 //!   prefill   = s * ((pending_prefill_tokens + waiting_requests * overhead) / block_size
 //!                    + uncached)                                          the wait for it
-//!   recompute = s * uncached * min(recompute_weight_max, recompute_weight *
+//!   recompute = s * uncached * min(recompute_weight_max, recompute_weight_min + recompute_weight *
 //!                 requests waiting for prefill there, or on the pool's median worker if more)
 //!   duplicate = s * duplicate_weight * blocks cached on another worker but not here
 //!                 * (indexed blocks / kv_blocks)
@@ -13,13 +13,17 @@
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
+//!   share     = s * prompt blocks * (max(0, share - 1) + request_ratio_weight
+//!                 * max(0, share - request_ratio)), share = the worker's recent requests
+//!                 (less a slack) over the pool's mean
 //! At low load the cost is the wait for the first token, so an idle cold worker beats a
 //! queued warm one. As queues grow, prefill recomputed on a busy worker delays whoever queues
 //! behind it, so the recompute term grows with the queues and keeps each prefix family where
 //! it is cached, spilling only to a worker with room to recompute it. Into a full cache a copy
 //! of a prefix held elsewhere also pushes out content no one else holds (duplicate), which
 //! partitions the working set under eviction pressure. Decode work (per request, not per
-//! shared block) is what spreads a burst of identical cached requests.
+//! shared block) is what spreads a burst of identical cached requests. Request share is what
+//! keeps a Zipf-hot prefix family from making one worker a hot spot while nothing is queued.
 
 use crate::config::Config;
 use crate::ids::WorkerId;
@@ -36,9 +40,14 @@ pub struct SelectParams {
     pub cache_balance: f64,
     pub recompute_weight: f64,
     pub recompute_weight_max: f64,
+    pub recompute_weight_min: f64,
     pub decode_weight: f64,
     pub kv_watermark: f64,
     pub duplicate_weight: f64,
+    pub request_ratio: f64,
+    pub request_ratio_weight: f64,
+    pub request_ratio_slack: f64,
+    pub request_ratio_min_inflight: u32,
     /// Prefill tokens one waiting request's fixed overhead is worth
     /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
     pub request_overhead_tokens: f64,
@@ -108,9 +117,14 @@ impl SelectParams {
             cache_balance: cfg.scoring.cache_balance,
             recompute_weight: cfg.scoring.recompute_weight,
             recompute_weight_max: cfg.scoring.recompute_weight_max,
+            recompute_weight_min: cfg.scoring.recompute_weight_min,
             decode_weight: cfg.scoring.decode_weight,
             kv_watermark: cfg.scoring.kv_watermark,
             duplicate_weight: cfg.scoring.duplicate_weight,
+            request_ratio: cfg.scoring.request_ratio,
+            request_ratio_weight: cfg.scoring.request_ratio_weight,
+            request_ratio_slack: cfg.scoring.request_ratio_slack,
+            request_ratio_min_inflight: cfg.scoring.request_ratio_min_inflight,
             request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
                 * cfg.load.prefill_tokens_per_s
                 / 1000.0,
@@ -130,6 +144,8 @@ pub struct Pool {
     pub waiting: u32,
     /// The longest cached prefix any worker holds for this request, in tokens.
     pub best_overlap_tokens: u32,
+    /// Recent requests per healthy worker, on average ([`WorkerView::recent_requests`]).
+    pub mean_recent: f64,
 }
 
 impl Pool {
@@ -146,9 +162,12 @@ impl Pool {
             w.select_nth_unstable(mid);
             w.get(mid).copied().unwrap_or(0)
         };
+        let healthy = cands.iter().filter(|c| c.load.healthy);
+        let (n, sum) = healthy.fold((0u32, 0.0), |(n, s), c| (n + 1, s + c.load.recent_requests));
         Pool {
             waiting,
             best_overlap_tokens: cands.iter().map(|c| c.overlap_tokens).max().unwrap_or(0),
+            mean_recent: if n == 0 { 0.0 } else { sum / f64::from(n) },
         }
     }
 }
@@ -159,7 +178,20 @@ impl Pool {
 /// (`fleet`, [`Pool::waiting`]), stand for that delay. With idle workers around a prefix is
 /// recomputed for free; a busy fleet keeps each prefix where it is cached.
 pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
-    (p.recompute_weight * f64::from(c.load.prefilling.max(fleet))).min(p.recompute_weight_max)
+    (p.recompute_weight_min + p.recompute_weight * f64::from(c.load.prefilling.max(fleet)))
+        .min(p.recompute_weight_max)
+}
+
+/// `c`'s recent requests in units of the pool's mean, less `request_ratio_slack` requests
+/// (the first requests of a run say little about shares); `None` when the term is off or
+/// `c` has fewer than `request_ratio_min_inflight` requests in flight.
+pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64> {
+    // A worker with (almost) nothing in flight is idle when the request lands, however many
+    // came before: no hot spot, and a quiet fleet's sequential requests keep their worker.
+    if p.request_ratio <= 0.0 || c.load.inflight < p.request_ratio_min_inflight {
+        return None;
+    }
+    Some((c.load.recent_requests - p.request_ratio_slack) / pool.mean_recent.max(1.0))
 }
 
 /// Cost of sending request `r` to `c`, one of the candidates `pool` was made of.
@@ -206,6 +238,29 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
         + decode
         + memory
         + p.cache_balance * written * pressure
+        // A worker taking far more than its share of requests is a hot spot whatever its
+        // queues say now: a prefix family held there and elsewhere moves at once, one held
+        // only there pays to be copied once the excess outweighs recomputing the prompt, and
+        // that copy then shares the family's traffic.
+        + hot_spot(p, c, r, pool)
+}
+
+/// The request-share term of [`cost`], in the request's prompt blocks: each mean of share
+/// above the mean costs one prompt (a new prefix goes where fewer requests went), and each
+/// above `request_ratio` costs `request_ratio_weight` more (a hot spot sheds what is cached
+/// elsewhere at once and copies what is not once that outweighs recomputing it). 0, never
+/// 0 x infinity, while `c` is within the mean.
+fn hot_spot(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f64 {
+    let Some(share) = request_share(p, c, pool) else {
+        return 0.0;
+    };
+    let excess =
+        (share - 1.0).max(0.0) + p.request_ratio_weight * (share - p.request_ratio).max(0.0);
+    if excess <= 0.0 {
+        return 0.0;
+    }
+    let bs = f64::from(p.block_size.max(1));
+    p.prefill_load_scale * excess * (f64::from(r.prompt_tokens) / bs).max(1.0)
 }
 
 fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
@@ -717,6 +772,106 @@ mod tests {
         assert!(
             (cost(&p, &cand(0, 0, held(950)), &r, &Pool::default()) - base - 60.0).abs() < 1e-9
         );
+    }
+
+    /// Requests, half of them one hot prefix family and half unique prompts, each finishing
+    /// `overlap` picks later. Cheap prefills, so no queue ever says the family's worker is
+    /// a hot spot: only the request share can.
+    fn hot_family(p: &SelectParams, overlap: u64) -> ([u32; 4], u32) {
+        let mut t = LoadTable::new(4, LoadParams::default());
+        let mut rng = Rng::new(21);
+        let mut per = [0u32; 4];
+        let mut holds = [false; 4];
+        let mut copies = 0;
+        for id in 0..400u64 {
+            // The family: an 8000-token document; the rest: 160-token prompts of their own.
+            let hot = id % 2 == 0;
+            let (tokens, blocks) = if hot { (8000, 500) } else { (160, 10) };
+            let now = id * 10;
+            let cands: Vec<Candidate> = (0..4u16)
+                .map(|w| {
+                    let held = if hot && holds[usize::from(w)] {
+                        blocks
+                    } else {
+                        0
+                    };
+                    cand(w, held, t.view(w, now, 0))
+                })
+                .collect();
+            let pk = picked(pick(p, &cands, &shape(tokens), &mut rng));
+            let w = usize::from(pk.id);
+            per[w] += 1;
+            if hot && !holds[w] {
+                holds[w] = true;
+                copies += 1;
+            }
+            t.add(&NewRequest {
+                id,
+                worker: pk.id,
+                prefill_worker: None,
+                blocks: (0..u64::from(blocks))
+                    .map(|b| if hot { b } else { id * 1000 + b })
+                    .collect(),
+                cached_blocks: pk.overlap_tokens / 16,
+                tail_blocks: 0,
+                prefill_tokens: uncached_tokens(tokens, pk.overlap_tokens),
+                now_ms: now,
+            });
+            // Prefill takes no time here; decoding lasts `overlap` picks.
+            t.prefill_done(id);
+            if let Some(done) = id.checked_sub(overlap) {
+                t.free(done);
+            }
+        }
+        (per, copies)
+    }
+
+    fn max_over_mean(per: &[u32]) -> f64 {
+        let mean = f64::from(per.iter().sum::<u32>()) / per.len() as f64;
+        f64::from(per.iter().copied().max().unwrap_or(0)) / mean
+    }
+
+    #[test]
+    fn a_hot_prefix_family_is_copied_instead_of_making_a_hot_spot() {
+        let off = SelectParams {
+            request_ratio: 0.0,
+            ..SelectParams::default()
+        };
+        let (per, copies) = hot_family(&off, 6);
+        assert!(max_over_mean(&per) >= 1.9, "{per:?}");
+        assert_eq!(copies, 1, "{per:?}");
+        let (per, copies) = hot_family(&SelectParams::default(), 6);
+        assert!(max_over_mean(&per) <= 1.5, "{per:?}");
+        assert!((2..=3).contains(&copies), "{copies} copies: {per:?}");
+        // One at a time, every worker is idle when a request lands: nothing to spread.
+        let (per, copies) = hot_family(&SelectParams::default(), 0);
+        assert_eq!(copies, 1, "{per:?}");
+    }
+
+    /// A lone session on a quiet fleet keeps its worker however long it runs.
+    #[test]
+    fn a_lone_session_keeps_its_worker() {
+        let p = SelectParams::default();
+        let mut t = LoadTable::new(4, LoadParams::default());
+        let mut rng = Rng::new(4);
+        for id in 0..40u64 {
+            let cands: Vec<Candidate> = (0..4u16)
+                .map(|w| cand(w, if w == 2 { 100 } else { 0 }, t.view(w, id * 1000, 0)))
+                .collect();
+            let pk = picked(pick(&p, &cands, &shape(1700), &mut rng));
+            assert_eq!(pk.id, 2, "turn {id}");
+            t.add(&NewRequest {
+                id,
+                worker: pk.id,
+                prefill_worker: None,
+                blocks: (0..106).collect(),
+                cached_blocks: 100,
+                tail_blocks: 0,
+                prefill_tokens: 100,
+                now_ms: id * 1000,
+            });
+            t.free(id);
+        }
     }
 
     #[test]
