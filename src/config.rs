@@ -215,13 +215,13 @@ impl Default for ScoringConfig {
             cache_balance_half_life_ms: 60_000,
             recompute_weight: 1.0,
             recompute_weight_max: 8.0,
-            recompute_weight_min: 0.0,
+            recompute_weight_min: 2.0,
             decode_weight: 0.05,
             duplicate_weight: 4.0,
             kv_watermark: 0.9,
             request_ratio: 1.25,
-            request_ratio_weight: 64.0,
-            request_ratio_slack: 8.0,
+            request_ratio_weight: 128.0,
+            request_ratio_slack: 4.0,
             request_ratio_min_inflight: 2,
         }
     }
