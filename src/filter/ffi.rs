@@ -26,6 +26,7 @@ extern "C" {
         ret_data: *mut *mut u8,
         ret_size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_pairs(map: u32, ret_data: *mut *mut u8, ret_size: *mut usize) -> u32;
     fn proxy_replace_header_map_value(
         map: u32,
         key: *const u8,
@@ -164,6 +165,40 @@ pub fn header(map: MapType, name: &str) -> Result<Option<Vec<u8>>, Status> {
             v
         }
     })
+}
+
+/// Every header of a map, in order, values as bytes: one host call (and one copy into the
+/// VM) instead of one per header looked at.
+pub fn headers(map: MapType) -> Result<Vec<(String, Vec<u8>)>, Status> {
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: out-pointers outlive the call.
+    let code = unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) };
+    match found(code, data, size)? {
+        Some(b) => parse_pairs(&b).ok_or(Status::SerializationFailure),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// The ABI's map encoding (see `serialize_pairs`) back into pairs; `None` if it is cut short.
+fn parse_pairs(b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let word = |at: usize| -> Option<usize> {
+        let w: [u8; 4] = b.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        usize::try_from(u32::from_le_bytes(w)).ok()
+    };
+    let n = word(0)?;
+    let mut sizes = 4usize;
+    let mut data = n.checked_mul(8)?.checked_add(4)?;
+    let mut out = Vec::with_capacity(n.min(b.len() / 8));
+    for _ in 0..n {
+        let (klen, vlen) = (word(sizes)?, word(sizes.checked_add(4)?)?);
+        sizes = sizes.checked_add(8)?;
+        let key = b.get(data..data.checked_add(klen)?)?;
+        data = data.checked_add(klen)?.checked_add(1)?;
+        let value = b.get(data..data.checked_add(vlen)?)?;
+        data = data.checked_add(vlen)?.checked_add(1)?;
+        out.push((String::from_utf8_lossy(key).into_owned(), value.to_vec()));
+    }
+    Some(out)
 }
 
 pub fn set_header(map: MapType, name: &str, value: Option<&str>) -> Result<(), Status> {
@@ -349,6 +384,19 @@ mod tests {
         }
         want.extend_from_slice(b"a\0xy\0\0z\0");
         assert_eq!(b, want);
+        assert_eq!(
+            parse_pairs(&b).unwrap(),
+            vec![
+                ("a".to_string(), b"xy".to_vec()),
+                (String::new(), b"z".to_vec())
+            ]
+        );
+        assert_eq!(parse_pairs(&[]), None);
+        assert_eq!(parse_pairs(b.get(..b.len() - 2).unwrap()), None);
+        assert_eq!(parse_pairs(&[0, 0, 0, 0]), Some(vec![]));
+        let mut huge = b.clone();
+        huge[0] = 0xff;
+        assert_eq!(parse_pairs(&huge), None);
         assert_eq!(
             property_path(&["response", "code_details"]),
             b"response\0code_details"

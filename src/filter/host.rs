@@ -14,6 +14,8 @@ pub type HostResult<T> = Result<T, Status>;
 pub trait Host {
     /// A header's value as raw bytes: clients can send any byte in a value (h2c `:path`).
     fn header(&self, map: MapType, name: &str) -> HostResult<Option<Vec<u8>>>;
+    /// Every header of a map, in order (one host call for all of them).
+    fn headers(&self, map: MapType) -> HostResult<Vec<(String, Vec<u8>)>>;
     /// `None` removes the header.
     fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()>;
     fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>>;
@@ -50,6 +52,10 @@ pub struct ProxyHost;
 impl Host for ProxyHost {
     fn header(&self, map: MapType, name: &str) -> HostResult<Option<Vec<u8>>> {
         ffi::header(map, name)
+    }
+
+    fn headers(&self, map: MapType) -> HostResult<Vec<(String, Vec<u8>)>> {
+        ffi::headers(map)
     }
 
     fn set_header(&self, map: MapType, name: &str, value: Option<&str>) -> HostResult<()> {
@@ -126,6 +132,24 @@ impl Host for ProxyHost {
     }
 }
 
+/// A header map read at once (`Calls::headers`).
+pub struct Headers(Vec<(String, Vec<u8>)>);
+
+impl Headers {
+    /// The first value of `name`, as `Calls::header` reads it (bytes that are not UTF-8
+    /// become U+FFFD).
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.iter().any(|(k, _)| k == name)
+    }
+}
+
 /// The host as the adapter uses it: failures are counted, then read as "absent".
 pub struct Calls {
     host: Box<dyn Host>,
@@ -173,6 +197,12 @@ impl Calls {
                 Ok(s) => s,
                 Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
             })
+    }
+
+    /// Every header of a map, read in one host call; `None` if the call failed (callers then
+    /// fall back to `header`).
+    pub fn headers(&self, map: MapType) -> Option<Headers> {
+        self.ok(self.host.headers(map)).map(Headers)
     }
 
     pub fn set_header(&self, map: MapType, name: &str, value: Option<&str>) {

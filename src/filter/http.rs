@@ -293,14 +293,21 @@ impl HttpContext for Http {
             return Action::Continue;
         };
         let host = &self.host;
+        // One call reads every header (each host call costs microseconds in Envoy's V8);
+        // without it, each header is asked for on its own.
+        let all = host.headers(MapType::HttpRequestHeaders);
         // A client must never choose the worker itself.
         for h in s.intercept.strip() {
-            host.set_header(MapType::HttpRequestHeaders, h, None);
+            if all.as_ref().is_none_or(|a| a.contains(h)) {
+                host.set_header(MapType::HttpRequestHeaders, h, None);
+            }
         }
-        let method = host.header(MapType::HttpRequestHeaders, ":method");
-        let path = host
-            .header(MapType::HttpRequestHeaders, ":path")
-            .unwrap_or_default();
+        let header = |name| match &all {
+            Some(a) => a.get(name),
+            None => host.header(MapType::HttpRequestHeaders, name),
+        };
+        let method = header(":method");
+        let path = header(":path").unwrap_or_default();
         let matched = s.intercept.matches(method.as_deref(), &path);
         drop(s);
         let Some(m) = matched else {
@@ -343,16 +350,33 @@ impl HttpContext for Http {
             return Action::Continue;
         };
         let host = &self.host;
-        let header = |name| host.header(MapType::HttpResponseHeaders, name);
+        let all = host.headers(MapType::HttpResponseHeaders);
+        let header = |name| match &all {
+            Some(a) => a.get(name),
+            None => host.header(MapType::HttpResponseHeaders, name),
+        };
         let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         let orca = header(ORCA_RESPONSE);
         // Set by Envoy with `include_attempt_count_in_response`.
         let attempts: u32 = header("x-envoy-attempt-count")
             .and_then(|s| s.parse().ok())
             .unwrap_or(1);
-        let upstream = host.property_string(&["upstream", "address"]);
-        // `via_upstream`, or why Envoy answered itself (overflow, no healthy upstream...).
-        let details = host.property_string(&["response", "code_details"]);
+        // Only an ip:port endpoint is compared with the upstream address (`same_host`).
+        let comparable = self
+            .with(|s| {
+                s.router
+                    .worker_endpoint(d.target)
+                    .is_some_and(|ep| ep.parse::<std::net::SocketAddr>().is_ok())
+            })
+            .unwrap_or(false);
+        let upstream = comparable
+            .then(|| host.property_string(&["upstream", "address"]))
+            .flatten();
+        // `via_upstream`, or why Envoy answered itself (overflow, no healthy upstream...);
+        // `classify` reads it only for a 5xx.
+        let details = (status >= 500)
+            .then(|| host.property_string(&["response", "code_details"]))
+            .flatten();
         let now = host.now_ms();
         let debug = self.with(|s| {
             let mut evs: Vec<Event> = Vec::new();
