@@ -29,13 +29,26 @@ pub trait SharedBus {
 struct Member {
     id: u32,
     heartbeat_ms: u64,
+    /// The VM wants each message as it is sent (it routes, or holds the relay stream).
+    urgent: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Peer {
     id: u32,
     queue: u32,
+    urgent: bool,
+    /// Messages for a peer that is not urgent, framed (`BATCH`), sent together by `flush`:
+    /// each enqueue wakes the peer's thread, which on a small machine costs the sender tens
+    /// of microseconds and the peer a callback.
+    batch: Vec<u8>,
 }
+
+/// First byte of a queue message that carries several messages (`u32` LE length, then the
+/// message, each). Replication messages start with their version byte, never this.
+const BATCH: u8 = 0xBA;
+/// A batch this large is sent at once instead of waiting for the next `flush`.
+const BATCH_MAX: usize = 1 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timing {
@@ -63,6 +76,8 @@ pub struct Replicator {
     seen_cas: Option<u32>,
     /// Peers whose heartbeat went stale since the last `take_departed`.
     departed: Vec<u32>,
+    /// What this VM announces in the membership record (`set_urgent`).
+    urgent: bool,
 }
 
 /// CAS retries before giving up until the next tick (contention is a handful of VMs).
@@ -81,6 +96,7 @@ impl Replicator {
             timing,
             seen_cas: None,
             departed: Vec::new(),
+            urgent: false,
         };
         r.heartbeat(bus, now_ms);
         Some(r)
@@ -106,6 +122,7 @@ impl Replicator {
             members.push(Member {
                 id: self.id,
                 heartbeat_ms: now_ms,
+                urgent: self.urgent,
             });
             if bus.set(&key, &encode_members(&members), cas) {
                 break;
@@ -113,6 +130,17 @@ impl Replicator {
         }
         self.seen_cas = None;
         self.refresh(bus, now_ms);
+    }
+
+    /// Announces whether this VM wants every message as soon as it is sent (it routes, or
+    /// forwards the process's decisions to the relay) or can take them in batches (a thread
+    /// that has not routed yet, Envoy's main-thread VM). Written at once when it changes, so
+    /// that peers holding a batch for this VM send it with their next message.
+    pub fn set_urgent(&mut self, bus: &dyn SharedBus, now_ms: u64, urgent: bool) {
+        if self.urgent != urgent {
+            self.urgent = urgent;
+            self.heartbeat(bus, now_ms);
+        }
     }
 
     /// Rebuilds the peer list when the membership record changed since we last looked, so
@@ -124,28 +152,45 @@ impl Replicator {
         }
         self.seen_cas = cas;
         let members = decode_members(bytes.as_deref().unwrap_or(&[]));
-        let live: Vec<u32> = members
+        let live: Vec<(u32, bool)> = members
             .iter()
             .filter(|m| {
                 m.id != self.id && now_ms.saturating_sub(m.heartbeat_ms) <= self.timing.stale_ms
             })
-            .map(|m| m.id)
+            .map(|m| (m.id, m.urgent))
             .collect();
         let departed = &mut self.departed;
         self.peers.retain(|p| {
-            let alive = live.contains(&p.id);
+            let alive = live.iter().any(|(id, _)| *id == p.id);
             if !alive {
                 departed.push(p.id);
             }
             alive
         });
-        for id in live {
-            if self.peers.iter().any(|p| p.id == id) {
+        for (id, urgent) in live {
+            if let Some(p) = self.peers.iter_mut().find(|p| p.id == id) {
+                // A peer that became urgent first gets what waited for it, in order.
+                if urgent && !p.urgent {
+                    send_batch(bus, p);
+                }
+                p.urgent = urgent;
                 continue;
             }
             if let Some(queue) = bus.resolve_queue(&queue_name(&self.ns, id)) {
-                self.peers.push(Peer { id, queue });
+                self.peers.push(Peer {
+                    id,
+                    queue,
+                    urgent,
+                    batch: Vec::new(),
+                });
             }
+        }
+    }
+
+    /// Sends the batches waiting for peers that are not urgent; call on every tick.
+    pub fn flush(&mut self, bus: &dyn SharedBus) {
+        for p in &mut self.peers {
+            send_batch(bus, p);
         }
     }
 
@@ -156,13 +201,31 @@ impl Replicator {
         core::mem::take(&mut self.departed)
     }
 
-    /// Sends one message to every live peer; returns how many accepted it.
+    /// Sends one message to every live peer: now to urgent peers, with the next `flush` (or
+    /// once their batch is large) to the others. Returns how many peers accepted or will be
+    /// sent it.
     pub fn broadcast(&mut self, bus: &dyn SharedBus, now_ms: u64, msg: &[u8]) -> usize {
         self.refresh(bus, now_ms);
-        self.peers
-            .iter()
-            .filter(|p| bus.enqueue(p.queue, msg))
-            .count()
+        let Ok(len) = u32::try_from(msg.len()) else {
+            return 0;
+        };
+        let mut n = 0;
+        for p in &mut self.peers {
+            if p.urgent {
+                n += usize::from(bus.enqueue(p.queue, msg));
+                continue;
+            }
+            if p.batch.is_empty() {
+                p.batch.push(BATCH);
+            }
+            p.batch.extend_from_slice(&len.to_le_bytes());
+            p.batch.extend_from_slice(msg);
+            n += 1;
+            if p.batch.len() >= BATCH_MAX {
+                send_batch(bus, p);
+            }
+        }
+        n
     }
 
     /// Puts an empty message in our own queue: Envoy then calls `on_queue_ready` on this
@@ -171,16 +234,38 @@ impl Replicator {
         bus.enqueue(self.queue, &[])
     }
 
-    /// Everything waiting in our queue.
+    /// Everything waiting in our queue (at most `max` queue messages), batches split back
+    /// into the messages they carry.
     pub fn drain(&self, bus: &dyn SharedBus, max: usize) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
-        while out.len() < max {
+        for _ in 0..max {
             match bus.dequeue(self.queue) {
+                Some(m) if m.first() == Some(&BATCH) => {
+                    unbatch(m.get(1..).unwrap_or(&[]), &mut out)
+                }
                 Some(m) => out.push(m),
                 None => break,
             }
         }
         out
+    }
+}
+
+/// Sends a peer's waiting batch (dropped if its queue refuses it, as a message would be).
+fn send_batch(bus: &dyn SharedBus, p: &mut Peer) {
+    if !p.batch.is_empty() {
+        bus.enqueue(p.queue, &p.batch);
+        p.batch.clear();
+    }
+}
+
+/// The messages of a batch's body; a cut-off tail is dropped.
+fn unbatch(mut b: &[u8], out: &mut Vec<Vec<u8>>) {
+    while let Some((len, rest)) = b.split_first_chunk::<4>() {
+        let len = u32::from_le_bytes(*len) as usize;
+        let Some(msg) = rest.get(..len) else { return };
+        out.push(msg.to_vec());
+        b = rest.get(len..).unwrap_or(&[]);
     }
 }
 
@@ -227,11 +312,15 @@ fn next_member_id(bus: &dyn SharedBus, ns: &str) -> Option<u32> {
     None
 }
 
+/// The top bit of a member's heartbeat (milliseconds never reach it) is its `urgent` flag.
+const URGENT_BIT: u64 = 1 << 63;
+
 fn encode_members(ms: &[Member]) -> Vec<u8> {
     let mut out = Vec::with_capacity(ms.len() * 12);
     for m in ms {
         out.extend_from_slice(&m.id.to_le_bytes());
-        out.extend_from_slice(&m.heartbeat_ms.to_le_bytes());
+        let flag = if m.urgent { URGENT_BIT } else { 0 };
+        out.extend_from_slice(&((m.heartbeat_ms & !URGENT_BIT) | flag).to_le_bytes());
     }
     out
 }
@@ -240,8 +329,12 @@ fn decode_members(b: &[u8]) -> Vec<Member> {
     b.chunks_exact(12)
         .filter_map(|c| {
             let id = u32::from_le_bytes(c.get(..4)?.try_into().ok()?);
-            let heartbeat_ms = u64::from_le_bytes(c.get(4..12)?.try_into().ok()?);
-            Some(Member { id, heartbeat_ms })
+            let word = u64::from_le_bytes(c.get(4..12)?.try_into().ok()?);
+            Some(Member {
+                id,
+                heartbeat_ms: word & !URGENT_BIT,
+                urgent: word & URGENT_BIT != 0,
+            })
         })
         .collect()
 }
@@ -322,7 +415,7 @@ mod tests {
         let mut c = Replicator::join(&bus, "ns", 20, t).unwrap();
         assert_ne!(a.id(), b.id());
         for r in [&mut a, &mut b, &mut c] {
-            r.heartbeat(&bus, 100);
+            r.set_urgent(&bus, 100, true);
         }
         assert_eq!((a.peers(), b.peers(), c.peers()), (2, 2, 2));
         assert_eq!(a.broadcast(&bus, 100, b"hello"), 2);
@@ -337,10 +430,80 @@ mod tests {
         let t = Timing::default();
         let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
         assert_eq!(a.broadcast(&bus, 1, b"early"), 0);
-        let b = Replicator::join(&bus, "ns", 5, t).unwrap();
+        let mut b = Replicator::join(&bus, "ns", 5, t).unwrap();
+        b.set_urgent(&bus, 5, true);
         // No heartbeat of `a` in between: the changed record alone makes `a` see `b`.
         assert_eq!(a.broadcast(&bus, 6, b"now"), 1);
         assert_eq!(b.drain(&bus, 10), vec![b"now".to_vec()]);
+    }
+
+    #[test]
+    fn peers_that_do_not_route_get_batches_in_order() {
+        let bus = MemoryBus::default();
+        let t = Timing::default();
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let mut b = Replicator::join(&bus, "ns", 0, t).unwrap();
+        a.set_urgent(&bus, 1, true);
+        // b does not route: a keeps its messages until a flush.
+        assert_eq!(a.broadcast(&bus, 2, b"one"), 1);
+        assert_eq!(a.broadcast(&bus, 2, b""), 1);
+        assert_eq!(a.broadcast(&bus, 2, b"three"), 1);
+        assert!(b.drain(&bus, 10).is_empty());
+        a.flush(&bus);
+        a.flush(&bus);
+        assert_eq!(
+            b.drain(&bus, 10),
+            vec![b"one".to_vec(), vec![], b"three".to_vec()]
+        );
+        // b's messages reach the urgent a at once.
+        assert_eq!(b.broadcast(&bus, 3, b"to a"), 1);
+        assert_eq!(a.drain(&bus, 10), vec![b"to a".to_vec()]);
+        // b starts routing: what waited for it comes before the next message.
+        assert_eq!(a.broadcast(&bus, 4, b"four"), 1);
+        b.set_urgent(&bus, 5, true);
+        assert_eq!(a.broadcast(&bus, 6, b"five"), 1);
+        assert_eq!(b.drain(&bus, 10), vec![b"four".to_vec(), b"five".to_vec()]);
+        // And back (a thread that stops holding the relay stream, say).
+        b.set_urgent(&bus, 7, false);
+        assert_eq!(a.broadcast(&bus, 8, b"six"), 1);
+        assert!(b.drain(&bus, 10).is_empty());
+        a.flush(&bus);
+        assert_eq!(b.drain(&bus, 10), vec![b"six".to_vec()]);
+    }
+
+    #[test]
+    fn batches_are_sent_when_large_and_cut_tails_are_dropped() {
+        let bus = MemoryBus::default();
+        let t = Timing::default();
+        let mut a = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let b = Replicator::join(&bus, "ns", 0, t).unwrap();
+        let big = vec![7u8; BATCH_MAX / 2];
+        assert_eq!(a.broadcast(&bus, 1, &big), 1);
+        assert!(b.drain(&bus, 10).is_empty());
+        assert_eq!(a.broadcast(&bus, 1, &big), 1);
+        assert_eq!(b.drain(&bus, 10), vec![big.clone(), big]);
+        let mut out = Vec::new();
+        unbatch(&[2, 0, 0, 0, b'o', b'k', 9, 0, 0, 0, 1, 2], &mut out);
+        unbatch(&[1, 0], &mut out);
+        assert_eq!(out, vec![b"ok".to_vec()]);
+        assert_ne!(crate::events::WIRE_VERSION, BATCH);
+    }
+
+    #[test]
+    fn the_urgent_flag_rides_in_the_heartbeat() {
+        let ms = [
+            Member {
+                id: 3,
+                heartbeat_ms: 1_700_000_000_000,
+                urgent: true,
+            },
+            Member {
+                id: 4,
+                heartbeat_ms: 5,
+                urgent: false,
+            },
+        ];
+        assert_eq!(decode_members(&encode_members(&ms)), ms.to_vec());
     }
 
     #[test]

@@ -253,6 +253,10 @@ impl State {
             return;
         }
         self.serving = true;
+        // Peers send to a routing VM at once, no longer in batches.
+        if let Some(r) = &mut self.repl {
+            r.set_urgent(self.bus.as_ref(), self.host.now_ms(), true);
+        }
         for msg in self.backlog.take_all() {
             self.apply_message(&msg);
         }
@@ -308,6 +312,12 @@ impl State {
         self.drain();
         self.poll(now);
         self.relay_tick(now);
+        // The VM holding the relay stream forwards every VM's decisions: it wants them at once.
+        let urgent = self.serving || self.relay.sharing_now();
+        if let Some(r) = &mut self.repl {
+            r.set_urgent(self.bus.as_ref(), now, urgent);
+            r.flush(self.bus.as_ref());
+        }
         let (lost, _) = self.router.tick(now);
         self.metrics.expired_requests.add(lost as u64);
         // Gauges are process-wide and every VM writes them: only VMs that route hold the
