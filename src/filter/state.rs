@@ -29,6 +29,7 @@ pub struct State {
     pub(super) repl: Option<Replicator>,
     /// This VM has routed a request; until then replicated events wait in `backlog`.
     pub(super) serving: bool,
+    started_ms: u64,
     pub(super) backlog: Backlog,
     /// Events for the other VMs, sent by `run_deferred`: this VM's own decisions (shared
     /// with other gateways through the relay), and what it learnt from the relay (not).
@@ -52,6 +53,9 @@ struct Poller {
     failing: Vec<bool>,
     lease_key: String,
 }
+
+/// How long after it starts a VM asks its peers for every message at once (see `configure`).
+const STARTUP_URGENT_MS: u64 = 10_000;
 
 /// The lease: holder's replica id (u32 LE), valid until (ms, u64 LE).
 fn lease_value(id: u32, until_ms: u64) -> Vec<u8> {
@@ -99,7 +103,14 @@ impl State {
     /// plugin name), seeds the router and defines the stats.
     pub fn configure(host: Rc<Calls>, cfg: Config, bus: Box<dyn SharedBus>, ns: &str) -> State {
         let now = host.now_ms();
-        let repl = Replicator::join(bus.as_ref(), ns, now, Timing::default());
+        let mut repl = Replicator::join(bus.as_ref(), ns, now, Timing::default());
+        // Until `STARTUP_URGENT_MS` have passed every VM takes messages at once: which threads
+        // will route is not known yet, and a thread whose first request comes right after
+        // another thread's would otherwise route it before that thread's next tick sends what
+        // it batched (a fresh Envoy taking traffic at once).
+        if let Some(r) = &mut repl {
+            r.set_urgent(bus.as_ref(), now, true);
+        }
         if repl.is_none() {
             host.log(
                 LogLevel::Warn,
@@ -144,6 +155,7 @@ impl State {
             bus,
             repl,
             serving: false,
+            started_ms: now,
             backlog: Backlog::default(),
             outbox: Vec::new(),
             outbox_local: Vec::new(),
@@ -313,7 +325,9 @@ impl State {
         self.poll(now);
         self.relay_tick(now);
         // The VM holding the relay stream forwards every VM's decisions: it wants them at once.
-        let urgent = self.serving || self.relay.sharing_now();
+        let urgent = self.serving
+            || self.relay.sharing_now()
+            || now.saturating_sub(self.started_ms) < STARTUP_URGENT_MS;
         if let Some(r) = &mut self.repl {
             r.set_urgent(self.bus.as_ref(), now, urgent);
             r.flush(self.bus.as_ref());
