@@ -187,6 +187,11 @@ impl Replicator {
         }
     }
 
+    /// Whether a peer wanted messages at once when the membership record was last read.
+    pub fn any_urgent(&self) -> bool {
+        self.peers.iter().any(|p| p.urgent)
+    }
+
     /// Sends the batches waiting for peers that are not urgent; call on every tick.
     pub fn flush(&mut self, bus: &dyn SharedBus) {
         for p in &mut self.peers {
@@ -459,9 +464,11 @@ mod tests {
         assert_eq!(b.broadcast(&bus, 3, b"to a"), 1);
         assert_eq!(a.drain(&bus, 10), vec![b"to a".to_vec()]);
         // b starts routing: what waited for it comes before the next message.
+        assert!(!a.any_urgent());
         assert_eq!(a.broadcast(&bus, 4, b"four"), 1);
         b.set_urgent(&bus, 5, true);
         assert_eq!(a.broadcast(&bus, 6, b"five"), 1);
+        assert!(a.any_urgent());
         assert_eq!(b.drain(&bus, 10), vec![b"four".to_vec(), b"five".to_vec()]);
         // And back (a thread that stops holding the relay stream, say).
         b.set_urgent(&bus, 7, false);
