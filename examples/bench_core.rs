@@ -24,6 +24,14 @@
 //!   public API (`select::pick`, a standalone `LoadTable`) as estimates.
 //! - Simulated clock: 1 ms per request, well inside the index TTL (nothing expires; eviction
 //!   is by capacity).
+//!
+//! `BENCH_CORE_OVERHEAD=1` instead breaks down the work of one request in `make overhead`'s
+//! setting (one worker, `/v1/completions`, a text prompt of 1k / 8k / 32k tokens with `\n`
+//! and `\"` escapes like loadgen's, warm = one document and a new question each time, cold =
+//! a new prompt each time): what runs before the request is forwarded (parse, hash, the rest
+//! of `Router::route`), after it (the deferred flush and event encoding), on the other VMs
+//! (decode + apply), and on the response path (`on_first_byte`, `on_finish`). Native; in
+//! Envoy's V8 the same work takes about 1.5-3x as long, and every host call adds ~1-8 µs.
 
 use kvroute::config::Config;
 use kvroute::hashing::{prompt_hashes, HashParams};
@@ -854,7 +862,128 @@ fn mib(b: usize) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
+// ---- the `make overhead` setting, piece by piece
+
+fn overhead_body(c: &Corpus, r: &mut Rand, doc: Option<Seg>, tokens: usize, i: usize) -> Vec<u8> {
+    let seg = doc.unwrap_or_else(|| c.seg(r, tokens * BYTES_PER_TOKEN));
+    let mut b = Vec::with_capacity(tokens * BYTES_PER_TOKEN + 128);
+    b.extend_from_slice(br#"{"prompt":""#);
+    // loadgen's prompts carry a quote or a newline every ~40 bytes (code, JSON and log genres).
+    // (The corpus is escaped already: a cut never follows a backslash.)
+    let (mut since, mut k) = (0, 0);
+    for &ch in c.bytes(seg) {
+        b.push(ch);
+        since += 1;
+        if since >= 40 && ch != b'\\' {
+            b.extend_from_slice(if k % 3 == 0 { br#"\""# } else { br"\n" });
+            (since, k) = (0, k + 1);
+        }
+    }
+    b.extend_from_slice(
+        format!(r#" question {i}","max_tokens":1,"model":"mock-model"}}"#).as_bytes(),
+    );
+    b
+}
+
+fn overhead() {
+    let cfg = r#"{"workers":[{"name":"w0","cluster":"w0","endpoint":"127.0.0.1:1","kv_blocks":16384}],
+        "block_size":16,"debug_headers":true,"disaggregation":{"threshold_tokens":0}}"#;
+    let cfg = Config::from_json(cfg.as_bytes()).expect("config");
+    let params = HashParams::from_config(&cfg);
+    let corpus = Corpus::new(CORPUS_BYTES, 7);
+    println!("kvroute bench-core, `make overhead` setting: one worker, /v1/completions text prompts (µs per request, p50 / p90)");
+    println!("load average at start: {}", loadavg());
+    println!(
+        "{:>6} {:>5} {:>7} {:>7} | {:>13} {:>13} {:>13} {:>13} | {:>13} {:>13} | {:>13} {:>13} {:>13}",
+        "tokens", "kind", "KiB", "blocks", "parse", "hash", "route (all)", "route - p - h",
+        "flush", "encode", "peer apply", "first byte", "finish"
+    );
+    for tokens in [1000usize, 8000, 32000] {
+        for warm in [true, false] {
+            let mut r = Rand(tokens as u64 * 2 + u64::from(warm));
+            let mut router = Router::new(cfg.clone(), 1, 1);
+            let mut peer = Router::new(cfg.clone(), 2, 2);
+            let doc = warm.then(|| corpus.seg(&mut r, tokens * BYTES_PER_TOKEN));
+            let iters = if tokens >= 32000 { 300 } else { 1500 };
+            let names = [
+                "parse", "hash", "route", "rest", "flush", "encode", "peer", "first", "finish",
+            ];
+            let mut t: Vec<Vec<u64>> = vec![Vec::with_capacity(iters); names.len()];
+            let (mut kib, mut blocks) = (0.0, 0.0);
+            for i in 0..iters + 50 {
+                let now = T0 + i as u64;
+                let body = overhead_body(&corpus, &mut r, doc, tokens, i);
+                let ns = |t0: Instant| t0.elapsed().as_nanos() as u64;
+                let t0 = Instant::now();
+                let req = parse(ApiKind::Completions, &body).expect("parses");
+                let parse_ns = ns(t0);
+                let t0 = Instant::now();
+                let ph = black_box(prompt_hashes(&req, &params));
+                let hash_ns = ns(t0);
+                drop(req);
+                let t0 = Instant::now();
+                let d = match router.route(ApiKind::Completions, &body, now) {
+                    RouteResult::Routed(d) => d,
+                    RouteResult::Rejected => panic!("rejected"),
+                };
+                let route_ns = ns(t0);
+                let t0 = Instant::now();
+                router.flush();
+                let flush_ns = ns(t0);
+                let t0 = Instant::now();
+                let msg = kvroute::events::encode(now, std::slice::from_ref(&d.event));
+                let encode_ns = ns(t0);
+                let t0 = Instant::now();
+                for e in kvroute::events::decode(&msg).expect("decodes").1 {
+                    peer.apply(&e, now);
+                }
+                let peer_ns = ns(t0);
+                let t0 = Instant::now();
+                let evs = router.on_first_byte(&d, true, now);
+                let first_ns = ns(t0);
+                let t0 = Instant::now();
+                let fin = router.on_finish(&d, now);
+                let finish_ns = ns(t0);
+                for e in evs.iter().chain([&fin]) {
+                    peer.apply(e, now);
+                }
+                if i >= 50 {
+                    let rest = route_ns.saturating_sub(parse_ns + hash_ns);
+                    for (k, v) in [
+                        parse_ns, hash_ns, route_ns, rest, flush_ns, encode_ns, peer_ns, first_ns,
+                        finish_ns,
+                    ]
+                    .into_iter()
+                    .enumerate()
+                    {
+                        t[k].push(v);
+                    }
+                    kib = body.len() as f64 / 1024.0;
+                    blocks = ph.blocks.len() as f64;
+                }
+            }
+            let st: Vec<Stats> = t.into_iter().map(Stats::new).collect();
+            let cell = |k: usize| format!("{:.1} / {:.1}", st[k].pct(0.5), st[k].pct(0.9));
+            println!(
+                "{:>6} {:>5} {:>7.1} {:>7.0} | {:>13} {:>13} {:>13} {:>13} | {:>13} {:>13} | {:>13} {:>13} {:>13}",
+                tokens,
+                if warm { "warm" } else { "cold" },
+                kib,
+                blocks,
+                cell(0), cell(1), cell(2), cell(3), cell(4), cell(5), cell(6), cell(7), cell(8)
+            );
+        }
+    }
+    println!("route (all) = Router::route (parse + hash + index lookup + select + load charge); flush and encode run");
+    println!("after the request left (on_queue_ready); peer apply = decode + apply on another VM's router;");
+    println!("first byte = on_first_byte(success) (index insert of the confirmed blocks), on the response path.");
+}
+
 fn main() {
+    if std::env::var_os("BENCH_CORE_OVERHEAD").is_some() {
+        overhead();
+        return;
+    }
     let started = Instant::now();
     println!("kvroute bench-core: Router::route (parse + hash + index lookup + select + record) on real JSON bodies");
     println!(
