@@ -166,6 +166,114 @@ impl Http {
             .unwrap_or_default()
     }
 
+    fn response_headers(&mut self, d: &Decision) {
+        let host = &self.host;
+        let all = host.headers(MapType::HttpResponseHeaders);
+        let header = |name| match &all {
+            Some(a) => a.get(name),
+            None => host.header(MapType::HttpResponseHeaders, name),
+        };
+        let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let orca = header(ORCA_RESPONSE);
+        // Set by Envoy with `include_attempt_count_in_response`.
+        let attempts: u32 = header("x-envoy-attempt-count")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1);
+        // Only an ip:port endpoint is compared with the upstream address (`same_host`).
+        let comparable = self
+            .with(|s| {
+                s.router
+                    .worker_endpoint(d.target)
+                    .is_some_and(|ep| ep.parse::<std::net::SocketAddr>().is_ok())
+            })
+            .unwrap_or(false);
+        let upstream = comparable
+            .then(|| host.property_string(&["upstream", "address"]))
+            .flatten();
+        // `via_upstream`, or why Envoy answered itself (overflow, no healthy upstream...);
+        // `classify` reads it only for a 5xx.
+        let details = (status >= 500)
+            .then(|| host.property_string(&["response", "code_details"]))
+            .flatten();
+        let now = host.now_ms();
+        let debug = self.with(|s| {
+            let mut evs: Vec<Event> = Vec::new();
+            let same_host =
+                feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
+            let outcome = feedback::classify(Some(status), attempts, same_host, details.as_deref());
+            match outcome {
+                Outcome::Failure => record_failure(s, d, now, &mut evs),
+                Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
+                Outcome::Neutral | Outcome::ClientGone => {}
+            }
+            if let Some(load) = orca.as_deref().and_then(feedback::parse_orca) {
+                s.metrics.orca_reports.inc();
+                evs.push(s.router.on_orca(d.target, &load, now));
+            }
+            s.broadcast(&evs);
+            let debug = s
+                .router
+                .config()
+                .debug_headers
+                .then(|| steer::debug_headers(&s.router, d));
+            (outcome, debug)
+        });
+        // A 2xx that Envoy had to get from elsewhere (a retry, a failover host) does not
+        // prove the chosen worker computed the prompt.
+        let outcome = debug.as_ref().map(|(o, _)| *o);
+        self.success = (200..300).contains(&status) && outcome != Some(Outcome::Failure);
+        let debug = debug.map(|(_, h)| h);
+        if let Some(Some(headers)) = debug {
+            if let Some(f) = &d.fallback {
+                host.log(
+                    LogLevel::Debug,
+                    &format!("kvroute: fallback routing: {f:?}"),
+                );
+            }
+            for (k, v) in headers {
+                host.set_header(MapType::HttpResponseHeaders, k, Some(&v));
+            }
+        }
+    }
+
+    fn response_body(&mut self, d: &Decision, body_size: usize, end_of_stream: bool) {
+        if body_size > 0 {
+            if !self.first_byte {
+                self.first_byte = true;
+                let now = self.host.now_ms();
+                let success = self.success;
+                self.with(|s| {
+                    let evs = s.router.on_first_byte(d, success, now);
+                    s.broadcast(&evs);
+                });
+            }
+            // Each callback sees only the new chunk; the stream passes through unbuffered.
+            if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
+                self.tail.push(&chunk);
+            }
+        }
+        if end_of_stream {
+            if let Some(u) = self.tail.usage() {
+                let now = self.host.now_ms();
+                self.with(|s| {
+                    s.metrics.usage_reports.inc();
+                    let (out, ev) = s.router.on_usage(d, &u, now);
+                    if let Some(hit) = out.actual_hit {
+                        s.metrics
+                            .actual_hit_pct
+                            .record((hit * 100.0).round() as u64);
+                    }
+                    if out.overpredicted {
+                        s.metrics.overpredicted.inc();
+                    }
+                    if let Some(e) = ev {
+                        s.broadcast(&[e]);
+                    }
+                });
+            }
+        }
+    }
+
     fn finish(&mut self) {
         if self.finished {
             return;
@@ -346,118 +454,22 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.saw_response = true;
-        let Some(d) = self.decision.clone() else {
+        // Taken out and put back rather than cloned: a decision carries its prompt's block
+        // hashes (8 bytes a block).
+        let Some(d) = self.decision.take() else {
             return Action::Continue;
         };
-        let host = &self.host;
-        let all = host.headers(MapType::HttpResponseHeaders);
-        let header = |name| match &all {
-            Some(a) => a.get(name),
-            None => host.header(MapType::HttpResponseHeaders, name),
-        };
-        let status: u32 = header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let orca = header(ORCA_RESPONSE);
-        // Set by Envoy with `include_attempt_count_in_response`.
-        let attempts: u32 = header("x-envoy-attempt-count")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1);
-        // Only an ip:port endpoint is compared with the upstream address (`same_host`).
-        let comparable = self
-            .with(|s| {
-                s.router
-                    .worker_endpoint(d.target)
-                    .is_some_and(|ep| ep.parse::<std::net::SocketAddr>().is_ok())
-            })
-            .unwrap_or(false);
-        let upstream = comparable
-            .then(|| host.property_string(&["upstream", "address"]))
-            .flatten();
-        // `via_upstream`, or why Envoy answered itself (overflow, no healthy upstream...);
-        // `classify` reads it only for a 5xx.
-        let details = (status >= 500)
-            .then(|| host.property_string(&["response", "code_details"]))
-            .flatten();
-        let now = host.now_ms();
-        let debug = self.with(|s| {
-            let mut evs: Vec<Event> = Vec::new();
-            let same_host =
-                feedback::same_host(s.router.worker_endpoint(d.target), upstream.as_deref());
-            let outcome = feedback::classify(Some(status), attempts, same_host, details.as_deref());
-            match outcome {
-                Outcome::Failure => record_failure(s, &d, now, &mut evs),
-                Outcome::Success => evs.extend(s.router.on_success(d.target, now)),
-                Outcome::Neutral | Outcome::ClientGone => {}
-            }
-            if let Some(load) = orca.as_deref().and_then(feedback::parse_orca) {
-                s.metrics.orca_reports.inc();
-                evs.push(s.router.on_orca(d.target, &load, now));
-            }
-            s.broadcast(&evs);
-            let debug = s
-                .router
-                .config()
-                .debug_headers
-                .then(|| steer::debug_headers(&s.router, &d));
-            (outcome, debug)
-        });
-        // A 2xx that Envoy had to get from elsewhere (a retry, a failover host) does not
-        // prove the chosen worker computed the prompt.
-        let outcome = debug.as_ref().map(|(o, _)| *o);
-        self.success = (200..300).contains(&status) && outcome != Some(Outcome::Failure);
-        let debug = debug.map(|(_, h)| h);
-        if let Some(Some(headers)) = debug {
-            if let Some(f) = &d.fallback {
-                host.log(
-                    LogLevel::Debug,
-                    &format!("kvroute: fallback routing: {f:?}"),
-                );
-            }
-            for (k, v) in headers {
-                host.set_header(MapType::HttpResponseHeaders, k, Some(&v));
-            }
-        }
+        self.response_headers(&d);
+        self.decision = Some(d);
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(d) = self.decision.clone() else {
+        let Some(d) = self.decision.take() else {
             return Action::Continue;
         };
-        if body_size > 0 {
-            if !self.first_byte {
-                self.first_byte = true;
-                let now = self.host.now_ms();
-                let success = self.success;
-                self.with(|s| {
-                    let evs = s.router.on_first_byte(&d, success, now);
-                    s.broadcast(&evs);
-                });
-            }
-            // Each callback sees only the new chunk; the stream passes through unbuffered.
-            if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
-                self.tail.push(&chunk);
-            }
-        }
-        if end_of_stream {
-            if let Some(u) = self.tail.usage() {
-                let now = self.host.now_ms();
-                self.with(|s| {
-                    s.metrics.usage_reports.inc();
-                    let (out, ev) = s.router.on_usage(&d, &u, now);
-                    if let Some(hit) = out.actual_hit {
-                        s.metrics
-                            .actual_hit_pct
-                            .record((hit * 100.0).round() as u64);
-                    }
-                    if out.overpredicted {
-                        s.metrics.overpredicted.inc();
-                    }
-                    if let Some(e) = ev {
-                        s.broadcast(&[e]);
-                    }
-                });
-            }
-        }
+        self.response_body(&d, body_size, end_of_stream);
+        self.decision = Some(d);
         Action::Continue
     }
 
