@@ -148,6 +148,8 @@ pub struct Pool {
     pub best_overlap_tokens: u32,
     /// Recent requests per healthy worker, on average ([`WorkerView::recent_requests`]).
     pub mean_recent: f64,
+    /// Requests in flight per healthy worker, on average.
+    pub mean_inflight: f64,
 }
 
 impl Pool {
@@ -165,11 +167,18 @@ impl Pool {
             w.get(mid).copied().unwrap_or(0)
         };
         let healthy = cands.iter().filter(|c| c.load.healthy);
-        let (n, sum) = healthy.fold((0u32, 0.0), |(n, s), c| (n + 1, s + c.load.recent_requests));
+        let (n, sum, inflight) = healthy.fold((0u32, 0.0, 0.0), |(n, s, f), c| {
+            (
+                n + 1,
+                s + c.load.recent_requests,
+                f + f64::from(c.load.inflight),
+            )
+        });
         Pool {
             waiting,
             best_overlap_tokens: cands.iter().map(|c| c.overlap_tokens).max().unwrap_or(0),
             mean_recent: if n == 0 { 0.0 } else { sum / f64::from(n) },
+            mean_inflight: if n == 0 { 0.0 } else { inflight / f64::from(n) },
         }
     }
 }
@@ -190,7 +199,13 @@ pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
 pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64> {
     // A worker with (almost) nothing in flight is idle when the request lands, however many
     // came before: no hot spot, and a quiet fleet's sequential requests keep their worker.
-    if p.request_ratio <= 0.0 || c.load.inflight < p.request_ratio_min_inflight {
+    // Nor is one with no more in flight than the average worker: under overload requests
+    // differ in size, and a worker that took many short ones is not the busy one; shares of
+    // requests then say nothing the queues do not say better.
+    if p.request_ratio <= 0.0
+        || c.load.inflight < p.request_ratio_min_inflight
+        || f64::from(c.load.inflight) <= pool.mean_inflight
+    {
         return None;
     }
     Some((c.load.recent_requests - p.request_ratio_slack) / pool.mean_recent.max(1.0))
@@ -892,6 +907,26 @@ mod tests {
             });
             t.free(id);
         }
+    }
+
+    /// Under overload requests differ in size: a worker that took many short requests but has
+    /// fewer in flight than the average is not the busy one, and its share does not count.
+    #[test]
+    fn request_share_counts_only_on_a_worker_busier_than_average() {
+        let p = SelectParams::default();
+        let w = |recent: f64, inflight: u32| WorkerView {
+            recent_requests: recent,
+            inflight,
+            ..idle()
+        };
+        let many_short = cand(0, 0, w(100.0, 3));
+        let few_long = cand(1, 0, w(20.0, 9));
+        let pool = Pool::of(&[many_short, few_long]);
+        assert_eq!(request_share(&p, &many_short, &pool), None);
+        let busy = cand(0, 0, w(100.0, 12));
+        let pool = Pool::of(&[busy, few_long]);
+        let share = request_share(&p, &busy, &pool).unwrap_or(0.0);
+        assert!(share > p.request_ratio, "{share}");
     }
 
     #[test]
