@@ -186,6 +186,9 @@ pub struct ScoringConfig {
     /// Weight of writing again blocks another worker already holds, times the writer's cache
     /// pressure: under eviction pressure a duplicate pushes out content no one else holds.
     pub duplicate_weight: f64,
+    /// Weight of recomputing blocks another worker already holds, whatever the cache's
+    /// fullness: each is prefill the fleet did once already and a lost cache hit.
+    pub copy_weight: f64,
     /// Share of a worker's KV above which every further block held costs as much as a block
     /// of prefill (preemption and eviction of cached prefixes start there).
     pub kv_watermark: f64,
@@ -218,6 +221,7 @@ impl Default for ScoringConfig {
             recompute_weight_min: 2.0,
             decode_weight: 0.05,
             duplicate_weight: 4.0,
+            copy_weight: 4.0,
             kv_watermark: 0.9,
             request_ratio: 1.25,
             request_ratio_weight: 128.0,
@@ -590,6 +594,7 @@ impl Config {
             ("scoring.recompute_weight_min", s.recompute_weight_min),
             ("scoring.decode_weight", s.decode_weight),
             ("scoring.duplicate_weight", s.duplicate_weight),
+            ("scoring.copy_weight", s.copy_weight),
             ("scoring.request_ratio_weight", s.request_ratio_weight),
             ("scoring.request_ratio_slack", s.request_ratio_slack),
         ] {

@@ -62,6 +62,8 @@ pub struct Decision {
     pub event: Event,
     /// The prompt's text length, for calibrating chars per token from `usage`.
     pub prompt_bytes_est: f64,
+    /// The decode candidates' costs, kept only for debug headers.
+    pub considered: Vec<select::Considered>,
 }
 
 impl Decision {
@@ -291,6 +293,11 @@ impl Router {
             Outcome::NoCandidates => return self.route_fallback(Fallback::NoCandidates, now_ms),
         };
         let alternates = self.alternates(&decode_cands, &shape, pick.id);
+        let considered = if self.cfg.debug_headers {
+            select::explain(&self.sel, &decode_cands, &shape)
+        } else {
+            Vec::new()
+        };
 
         let mut prefill = None;
         let mut serve_overlap = pick.overlap_tokens;
@@ -363,6 +370,7 @@ impl Router {
             all_busy: pick.all_busy,
             event,
             prompt_bytes_est: prompt_bytes,
+            considered,
         })
     }
 
@@ -402,6 +410,7 @@ impl Router {
             all_busy: pick.all_busy,
             event,
             prompt_bytes_est: 0.0,
+            considered: Vec::new(),
         })
     }
 

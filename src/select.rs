@@ -7,8 +7,8 @@
 //!                    + uncached)                                          the wait for it
 //!   recompute = s * uncached * min(recompute_weight_max, recompute_weight_min + recompute_weight *
 //!                 requests waiting for prefill there, or on the pool's median worker if more)
-//!   duplicate = s * duplicate_weight * blocks cached on another worker but not here
-//!                 * (indexed blocks / kv_blocks)
+//!   duplicate = s * blocks cached on another worker but not here
+//!                 * (copy_weight + duplicate_weight * indexed blocks / kv_blocks)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
@@ -18,8 +18,8 @@
 //!                 (less a slack) over the pool's mean
 //! At low load the cost is the wait for the first token plus what recomputing costs everyone
 //! else (recompute_weight_min: recomputed tokens share the worker's batches, and a copy
-//! duplicates cache the fleet has), so an idle cold worker beats a warm one only when the
-//! warm one's queue is longer than that. As queues grow, prefill recomputed on a busy worker delays whoever queues
+//! duplicates cache the fleet has; copy_weight: a copy of a cached prefix is a lost hit), so
+//! an idle cold worker beats a warm one only when the warm one's queue is longer than that. As queues grow, prefill recomputed on a busy worker delays whoever queues
 //! behind it, so the recompute term grows with the queues and keeps each prefix family where
 //! it is cached, spilling only to a worker with room to recompute it. Into a full cache a copy
 //! of a prefix held elsewhere also pushes out content no one else holds (duplicate), which
@@ -46,6 +46,7 @@ pub struct SelectParams {
     pub decode_weight: f64,
     pub kv_watermark: f64,
     pub duplicate_weight: f64,
+    pub copy_weight: f64,
     pub request_ratio: f64,
     pub request_ratio_weight: f64,
     pub request_ratio_slack: f64,
@@ -123,6 +124,7 @@ impl SelectParams {
             decode_weight: cfg.scoring.decode_weight,
             kv_watermark: cfg.scoring.kv_watermark,
             duplicate_weight: cfg.scoring.duplicate_weight,
+            copy_weight: cfg.scoring.copy_weight,
             request_ratio: cfg.scoring.request_ratio,
             request_ratio_weight: cfg.scoring.request_ratio_weight,
             request_ratio_slack: cfg.scoring.request_ratio_slack,
@@ -217,6 +219,39 @@ pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64
 
 /// Cost of sending request `r` to `c`, one of the candidates `pool` was made of.
 pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f64 {
+    terms(p, c, r, pool).total()
+}
+
+/// The terms [`cost`] adds up, each in KV blocks (debug headers show them).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CostTerms {
+    /// The wait for this request's prefill, scaled.
+    pub prefill: f64,
+    /// What recomputing the uncached part costs whoever queues behind it, scaled.
+    pub recompute: f64,
+    /// Copies of blocks another worker holds, written into a full cache, scaled.
+    pub duplicate: f64,
+    pub decode: f64,
+    pub memory: f64,
+    pub balance: f64,
+    /// The request-share (hot spot) term.
+    pub share: f64,
+}
+
+impl CostTerms {
+    pub fn total(&self) -> f64 {
+        self.prefill
+            + self.recompute
+            + self.duplicate
+            + self.decode
+            + self.memory
+            + self.balance
+            + self.share
+    }
+}
+
+/// [`cost`], term by term.
+pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> CostTerms {
     let bs = f64::from(p.block_size.max(1));
     let kv = f64::from(c.kv_blocks.max(1));
     let overlap = f64::from(c.overlap_tokens.min(r.prompt_tokens)) / bs;
@@ -252,18 +287,21 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
             .min(r.prompt_tokens)
             .saturating_sub(c.overlap_tokens),
     ) / bs;
-    p.prefill_load_scale
-        * (prefill
-            + recompute_factor(p, c, pool.waiting) * uncached
-            + p.duplicate_weight * duplicate * fullness)
-        + decode
-        + memory
-        + p.cache_balance * written * pressure
+    let s = p.prefill_load_scale;
+    CostTerms {
+        prefill: s * prefill,
+        // Unscaled products first: a huge scale times a zero term must stay 0, never NaN.
+        recompute: s * (recompute_factor(p, c, pool.waiting) * uncached),
+        duplicate: s * (duplicate * (p.copy_weight + p.duplicate_weight * fullness)),
+        decode,
+        memory,
+        balance: p.cache_balance * written * pressure,
         // A worker taking far more than its share of requests is a hot spot whatever its
         // queues say now: a prefix family held there and elsewhere moves at once, one held
         // only there pays to be copied once the excess outweighs recomputing the prompt, and
         // that copy then shares the family's traffic.
-        + hot_spot(p, c, r, pool)
+        share: hot_spot(p, c, r, pool),
+    }
 }
 
 /// The request-share term of [`cost`], in the request's prompt blocks: each mean of share
@@ -340,6 +378,33 @@ pub fn pick(p: &SelectParams, cands: &[Candidate], r: &RequestShape, rng: &mut R
         all_busy: any_healthy && !any_free,
         none_healthy: !any_healthy,
     })
+}
+
+/// One candidate as [`pick`] saw it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Considered {
+    pub id: WorkerId,
+    pub overlap_tokens: u32,
+    /// Requests waiting for prefill there, and their uncached tokens.
+    pub prefilling: u32,
+    pub prefill_tokens: f64,
+    pub terms: CostTerms,
+}
+
+/// Every candidate's cost terms, as [`pick`] saw them (for debug headers: why a request
+/// went where it went).
+pub fn explain(p: &SelectParams, cands: &[Candidate], r: &RequestShape) -> Vec<Considered> {
+    let pool = Pool::of(cands);
+    cands
+        .iter()
+        .map(|c| Considered {
+            id: c.id,
+            overlap_tokens: c.overlap_tokens,
+            prefilling: c.load.prefilling,
+            prefill_tokens: c.load.prefill_tokens,
+            terms: terms(p, c, r, &pool),
+        })
+        .collect()
 }
 
 /// Index into `scored` chosen by lowest cost (uniform among ties) or, with a temperature,
@@ -677,6 +742,7 @@ mod tests {
         // Only the queue-driven part of the recompute weight.
         let p = SelectParams {
             recompute_weight_min: 0.0,
+            copy_weight: 0.0,
             ..SelectParams::default()
         };
         let queued = |prefilling: u32, tokens: f64| WorkerView {
@@ -726,6 +792,7 @@ mod tests {
         let p = SelectParams::default();
         let free_copies = SelectParams {
             recompute_weight_min: 0.0,
+            copy_weight: 0.0,
             ..p
         };
         let decoding = |requests: u64| WorkerView {
@@ -742,9 +809,10 @@ mod tests {
             picked(pick(&free_copies, &many, &r, &mut Rng::new(1))).id,
             1
         );
-        // A copy also costs (1 + recompute_weight_min) x its prefill: it shares the copier's batches.
+        // A copy also costs (1 + recompute_weight_min + copy_weight) x its prefill: it shares
+        // the copier's batches and loses the hit.
         assert_eq!(picked(pick(&p, &many, &r, &mut Rng::new(1))).id, 0);
-        let more = [cand(0, 100, decoding(120)), cand(1, 0, idle())];
+        let more = [cand(0, 100, decoding(200)), cand(1, 0, idle())];
         assert_eq!(picked(pick(&p, &more, &r, &mut Rng::new(1))).id, 1);
     }
 
@@ -772,6 +840,7 @@ mod tests {
         let p = SelectParams {
             cache_balance: 0.0,
             recompute_weight_min: 0.0,
+            copy_weight: 0.0,
             ..SelectParams::default()
         };
         let holder = WorkerView {
@@ -790,6 +859,37 @@ mod tests {
         };
         let full = [cand(0, 100, holder), full_cache];
         assert_eq!(picked(pick(&p, &full, &r, &mut Rng::new(1))).id, 0);
+    }
+
+    /// An agent's context cached on a worker with four contexts' worth of prefill queued: an
+    /// idle worker would start sooner, but copying the context recomputes it and loses its
+    /// hit, so it stays; once the queue is ten contexts deep it moves.
+    #[test]
+    fn a_copy_costs_its_lost_hit_even_with_room() {
+        let p = SelectParams {
+            cache_balance: 0.0,
+            ..SelectParams::default()
+        };
+        let queued = |tokens: f64| WorkerView {
+            prefilling: 1,
+            inflight: 1,
+            prefill_tokens: tokens,
+            ..idle()
+        };
+        // 1600 tokens held, 160 new ones.
+        let r = shape(1760);
+        let short = [cand(0, 100, queued(6400.0)), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &short, &r, &mut Rng::new(1))).id, 0);
+        let no_copy_cost = SelectParams {
+            copy_weight: 0.0,
+            ..p
+        };
+        assert_eq!(
+            picked(pick(&no_copy_cost, &short, &r, &mut Rng::new(1))).id,
+            1
+        );
+        let deep = [cand(0, 100, queued(16_000.0)), cand(1, 0, idle())];
+        assert_eq!(picked(pick(&p, &deep, &r, &mut Rng::new(1))).id, 1);
     }
 
     /// Above the watermark every further block held costs a block of prefill.

@@ -5,7 +5,9 @@
 use crate::config::{Config, DisaggMode, SteeringMode};
 use crate::request::ApiKind;
 use crate::router::{Decision, Router};
+use crate::select;
 use std::borrow::Cow;
+use std::fmt::Write;
 
 /// Asks the worker to attach its load (ORCA) to the response.
 pub const ORCA_REQUEST: &str = "endpoint-load-metrics-format";
@@ -194,7 +196,45 @@ pub fn debug_headers(r: &Router, d: &Decision) -> Vec<(&'static str, String)> {
     if let Some(f) = &d.fallback {
         h.push(("x-kvroute-fallback", f.kind().to_string()));
     }
+    if !d.considered.is_empty() {
+        h.push(("x-kvroute-costs", costs_header(r, &d.considered)));
+    }
     h
+}
+
+/// Each decode candidate: `name cost=.. cached=.. waiting=.. pending=.. [term=..]`, terms
+/// in KV blocks and only where non-zero, candidates separated by `; `.
+fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
+    let mut s = String::new();
+    for c in considered {
+        if !s.is_empty() {
+            s.push_str("; ");
+        }
+        let t = &c.terms;
+        let _ = write!(
+            s,
+            "{} cost={:.1} cached={} waiting={} pending={:.0}",
+            r.worker_name(c.id),
+            t.total(),
+            c.overlap_tokens,
+            c.prefilling,
+            c.prefill_tokens
+        );
+        for (name, v) in [
+            ("prefill", t.prefill),
+            ("recompute", t.recompute),
+            ("duplicate", t.duplicate),
+            ("decode", t.decode),
+            ("memory", t.memory),
+            ("balance", t.balance),
+            ("share", t.share),
+        ] {
+            if v != 0.0 {
+                let _ = write!(s, " {name}={v:.1}");
+            }
+        }
+    }
+    s
 }
 
 #[cfg(test)]
@@ -227,6 +267,10 @@ mod tests {
 
     fn get<'a>(h: &'a [(&str, Cow<'_, str>)], name: &str) -> Option<&'a str> {
         h.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_ref())
+    }
+
+    fn get_owned(h: &[(&str, String)], name: &str) -> Option<String> {
+        h.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
     }
 
     fn kind(i: &Intercept, method: &str, path: &str) -> Option<ApiKind> {
@@ -403,5 +447,48 @@ mod tests {
         let h = debug_headers(&r, &d);
         assert_eq!(h.len(), 4);
         assert_eq!(h[3], ("x-kvroute-fallback", "parse_error".to_string()));
+    }
+
+    #[test]
+    fn debug_costs_explain_the_pick() {
+        let mut r = router(r#","debug_headers":true"#);
+        let first = decide(&mut r, 4_000);
+        // The same prompt again: the worker that holds it now is the cheapest by its cache.
+        let d = decide(&mut r, 4_000);
+        assert_eq!(d.decode, first.decode);
+        let h = debug_headers(&r, &d);
+        let costs = get_owned(&h, "x-kvroute-costs").expect("x-kvroute-costs");
+        let per: Vec<(&str, f64)> = costs
+            .split("; ")
+            .map(|c| {
+                let name = c.split(' ').next().unwrap();
+                let cost = c
+                    .split(' ')
+                    .find_map(|kv| kv.strip_prefix("cost="))
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                (name, cost)
+            })
+            .collect();
+        assert_eq!(per.len(), 3, "{costs}");
+        let best = per
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|p| p.0)
+            .unwrap();
+        assert_eq!(best, r.worker_name(d.decode), "{costs}");
+        assert!(costs.contains(" recompute="), "{costs}");
+        assert!(
+            costs.contains(&format!("{} cost=", r.worker_name(d.decode))),
+            "{costs}"
+        );
+        // The holder's entry says how much of the prompt it holds; the others hold none.
+        let holder = costs
+            .split("; ")
+            .find(|c| c.starts_with(r.worker_name(d.decode)))
+            .unwrap();
+        assert!(!holder.contains(" cached=0 "), "{costs}");
+        assert_eq!(costs.matches(" cached=0 ").count(), 2, "{costs}");
     }
 }

@@ -826,11 +826,17 @@ fn debug_headers_show_the_decision_on_the_response() {
     );
     assert!(vm.resp_header("x-kvroute-prompt-tokens").is_some());
     assert_eq!(vm.resp_header("x-kvroute-fallback"), None);
+    let costs = vm.resp_header("x-kvroute-costs").unwrap_or_default();
+    assert!(
+        costs.starts_with("d0 cost=") && costs.contains("; d1 cost="),
+        "{costs}"
+    );
 
     let vm = Vm::new(NO_DISAGG);
     let (mut h, _) = vm.post("no debug");
     vm.answer(&mut h, "200", &[]);
     assert_eq!(vm.resp_header("x-kvroute-worker"), None);
+    assert_eq!(vm.resp_header("x-kvroute-costs"), None);
 }
 
 #[test]

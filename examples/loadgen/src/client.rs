@@ -46,6 +46,9 @@ pub struct Outcome {
     /// schedule: free of client, router and CPU-contention delays.
     pub engine_ttft: Option<f64>,
     pub engine_e2e: Option<f64>,
+    /// kvroute's per-candidate costs (`x-kvroute-costs`, present when its debug headers are
+    /// on): why the request went where it went.
+    pub route_costs: String,
 }
 
 /// Name of the mock's engine-timing report (a header, or an SSE comment line).
@@ -118,6 +121,7 @@ async fn send_inner(
     };
     o.status = resp.status().as_u16();
     o.worker = header_str(resp.headers(), "x-worker-id");
+    o.route_costs = header_str(resp.headers(), "x-kvroute-costs");
     read_engine_timing(&header_str(resp.headers(), ENGINE_TIMING), &mut o);
     let streaming = header_str(resp.headers(), "content-type").starts_with("text/event-stream");
     let mut body = resp.into_body();

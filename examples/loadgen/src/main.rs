@@ -527,6 +527,9 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
         "engine_ttft": o.engine_ttft,
         "engine_e2e": o.engine_e2e,
     });
+    if !o.route_costs.is_empty() {
+        rec["route_costs"] = json!(o.route_costs);
+    }
     if let Some(c) = oracle_cached {
         rec["oracle_probe_cached"] = json!(c);
         rec["probe_s"] = json!(probe_s);
