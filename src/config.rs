@@ -205,6 +205,11 @@ pub struct ScoringConfig {
     /// Requests in flight below which a worker is no hot spot whatever its share: it is idle
     /// when the request lands (a quiet fleet's sequential requests keep their worker).
     pub request_ratio_min_inflight: u32,
+    /// Share of a hot worker's recent requests a prefix family (the longest prefix some
+    /// worker holds for the request) must bring for the hot-spot term to shed it at full
+    /// weight; a family bringing less is shed in proportion: moving a bystander costs the
+    /// same copy and relieves the worker of little. 0 sheds every request alike.
+    pub request_ratio_family: f64,
 }
 
 impl Default for ScoringConfig {
@@ -227,6 +232,7 @@ impl Default for ScoringConfig {
             request_ratio_weight: 128.0,
             request_ratio_slack: 4.0,
             request_ratio_min_inflight: 2,
+            request_ratio_family: 0.25,
         }
     }
 }
@@ -609,6 +615,12 @@ impl Config {
                 "must be 0 (off) or at least 1",
             ));
         }
+        if !(s.request_ratio_family.is_finite() && (0.0..=1.0).contains(&s.request_ratio_family)) {
+            return Err(err(
+                "scoring.request_ratio_family",
+                "must be between 0 (off) and 1",
+            ));
+        }
         if !(s.kv_watermark.is_finite() && s.kv_watermark > 0.0 && s.kv_watermark <= 1.0) {
             return Err(err("scoring.kv_watermark", "must be above 0 and at most 1"));
         }
@@ -768,6 +780,10 @@ mod tests {
             (
                 r#"{"workers":[{"name":"a"}],"scoring":{"temperature":-1}}"#,
                 "scoring.temperature",
+            ),
+            (
+                r#"{"workers":[{"name":"a"}],"scoring":{"request_ratio_family":1.5}}"#,
+                "scoring.request_ratio_family",
             ),
             (r#"{"workers":[{"name":"a"}],"routes":["v1"]}"#, "routes[0]"),
             (

@@ -6,6 +6,7 @@
 pub mod calibrate;
 pub mod config;
 pub mod events;
+pub mod family;
 pub mod feedback;
 pub mod hashing;
 pub mod ids;

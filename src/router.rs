@@ -5,6 +5,7 @@
 use crate::calibrate::Calibrator;
 use crate::config::{Config, DisaggMode, Role};
 use crate::events::Event;
+use crate::family::Families;
 use crate::feedback::{OrcaLoad, Usage};
 use crate::hashing::{prompt_hashes_limited, token_prompt_hashes, HashParams};
 use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
@@ -127,6 +128,8 @@ pub struct Router {
     /// Confirmed requests on engine-fed workers, kept speculative until the engine's events
     /// have had time to arrive: (drop at ms, request).
     confirmed: VecDeque<(u64, RequestId)>,
+    /// This VM's recent requests by prefix family and worker (the hot-spot term's focus).
+    families: Families,
 }
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
@@ -174,6 +177,11 @@ impl Router {
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
         let calib = Calibrator::new(cfg.workers.len());
+        let families = Families::new(
+            cfg.workers.len(),
+            cfg.scoring.cache_balance_half_life_ms,
+            hash_key,
+        );
         Router {
             cfg,
             sel,
@@ -190,6 +198,7 @@ impl Router {
             pending: Vec::new(),
             engine_fed: Vec::new(),
             confirmed: VecDeque::new(),
+            families,
         }
     }
 
@@ -286,7 +295,21 @@ impl Router {
             ((f64::from(blocks) * tokens_per_block) as u32).min(prompt_tokens)
         };
 
-        let decode_cands = self.candidates(&self.decode_pool, &overlap_tokens, now_ms);
+        // The request's family: the longest prefix some worker holds, named by its last block.
+        let best = held.iter().copied().max().unwrap_or(0);
+        let family = best
+            .checked_sub(1)
+            .and_then(|i| ph.blocks.get(i as usize))
+            .copied();
+        let family_share = |w: WorkerId| -> Option<f64> {
+            let f = family?;
+            (held.get(usize::from(w)).copied().unwrap_or(0) >= best)
+                .then(|| self.families.share(f, w, now_ms))
+        };
+        let mut decode_cands = self.candidates(&self.decode_pool, &overlap_tokens, now_ms);
+        for c in &mut decode_cands {
+            c.family_share = family_share(c.id);
+        }
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
             Outcome::Rejected => return RouteResult::Rejected,
@@ -327,6 +350,7 @@ impl Router {
             }
         }
 
+        self.families.record(family, pick.id, now_ms);
         let id = self.next_id();
         let hashed_blocks = u32::try_from(ph.blocks.len()).unwrap_or(u32::MAX);
         let cached_blocks = (f64::from(serve_overlap) / tokens_per_block).floor() as u32;
@@ -432,6 +456,7 @@ impl Router {
                     .unwrap_or(1),
                 indexed_blocks: u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX),
                 load: self.worker_view(w, now_ms),
+                family_share: None,
             })
             .collect()
     }

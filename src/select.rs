@@ -13,9 +13,11 @@
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
-//!   share     = s * prompt blocks * (max(0, share - 1) + request_ratio_weight
+//!   share     = s * prompt blocks * focus * (max(0, share - 1) + request_ratio_weight
 //!                 * max(0, share - request_ratio)), share = the worker's recent requests
-//!                 (less a slack) over the pool's mean
+//!                 (less a slack) over the pool's mean, focus = min(1, family share /
+//!                 request_ratio_family) where the worker holds the request's family, at
+//!                 least (share - request_ratio) / (request_ratio - 1)
 //! At low load the cost is the wait for the first token plus what recomputing costs everyone
 //! else (recompute_weight_min: recomputed tokens share the worker's batches, and a copy
 //! duplicates cache the fleet has; copy_weight: a copy of a cached prefix is a lost hit), so
@@ -51,6 +53,7 @@ pub struct SelectParams {
     pub request_ratio_weight: f64,
     pub request_ratio_slack: f64,
     pub request_ratio_min_inflight: u32,
+    pub request_ratio_family: f64,
     /// Prefill tokens one waiting request's fixed overhead is worth
     /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
     pub request_overhead_tokens: f64,
@@ -88,6 +91,10 @@ pub struct Candidate {
     /// Blocks the prefix index believes this worker's cache holds (at most `kv_blocks`).
     pub indexed_blocks: u32,
     pub load: WorkerView,
+    /// Share of this worker's recent requests from the request's prefix family
+    /// ([`crate::family`]), when the worker holds all of that prefix; None when it does not
+    /// (a request placed here is new to it) or the prefix is new to every worker.
+    pub family_share: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -129,6 +136,7 @@ impl SelectParams {
             request_ratio_weight: cfg.scoring.request_ratio_weight,
             request_ratio_slack: cfg.scoring.request_ratio_slack,
             request_ratio_min_inflight: cfg.scoring.request_ratio_min_inflight,
+            request_ratio_family: cfg.scoring.request_ratio_family,
             request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
                 * cfg.load.prefill_tokens_per_s
                 / 1000.0,
@@ -318,8 +326,25 @@ fn hot_spot(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     if excess <= 0.0 {
         return 0.0;
     }
+    // Shed the family that makes the worker hot: each copy of it takes its later requests
+    // along. A bystander's request pays in proportion to the share it brings, until the
+    // worker is past the ratio by as much again as the ratio is above the mean: by then
+    // copying the hot family has not been enough, and every request is shed alike.
+    let family = match c.family_share {
+        Some(f) if p.request_ratio_family > 0.0 => (f / p.request_ratio_family).clamp(0.0, 1.0),
+        _ => 1.0,
+    };
+    let past = if p.request_ratio > 1.0 {
+        ((share - p.request_ratio) / (p.request_ratio - 1.0)).clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
+    let focus = family.max(past);
+    if focus <= 0.0 {
+        return 0.0;
+    }
     let bs = f64::from(p.block_size.max(1));
-    p.prefill_load_scale * excess * (f64::from(r.prompt_tokens) / bs).max(1.0)
+    p.prefill_load_scale * (focus * (excess * (f64::from(r.prompt_tokens) / bs).max(1.0)))
 }
 
 fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
@@ -388,6 +413,8 @@ pub struct Considered {
     /// Requests waiting for prefill there, and their uncached tokens.
     pub prefilling: u32,
     pub prefill_tokens: f64,
+    /// [`Candidate::family_share`].
+    pub family_share: Option<f64>,
     pub terms: CostTerms,
 }
 
@@ -402,6 +429,7 @@ pub fn explain(p: &SelectParams, cands: &[Candidate], r: &RequestShape) -> Vec<C
             overlap_tokens: c.overlap_tokens,
             prefilling: c.load.prefilling,
             prefill_tokens: c.load.prefill_tokens,
+            family_share: c.family_share,
             terms: terms(p, c, r, &pool),
         })
         .collect()
@@ -458,6 +486,7 @@ mod tests {
             kv_blocks: 1000,
             indexed_blocks: 0,
             load,
+            family_share: None,
         }
     }
 
@@ -985,6 +1014,58 @@ mod tests {
         // One at a time, every worker is idle when a request lands: nothing to spread.
         let (per, copies) = hot_family(&SelectParams::default(), 0);
         assert_eq!(copies, 1, "{per:?}");
+    }
+
+    /// A hot worker sheds the prefix family that makes it hot, not a bystander: moving either
+    /// costs the same copy, and only the family's copy takes its later requests along.
+    #[test]
+    fn a_hot_worker_sheds_its_hot_family_not_a_bystander() {
+        let p = SelectParams::default();
+        // 1.33 means: past the ratio, not yet by as much again.
+        let hot = WorkerView {
+            recent_requests: 36.0,
+            inflight: 12,
+            ..idle()
+        };
+        let calm = WorkerView {
+            recent_requests: 20.0,
+            inflight: 3,
+            ..idle()
+        };
+        let r = shape(8000);
+        let pick_for = |share: Option<f64>| {
+            let holder = Candidate {
+                family_share: share,
+                ..cand(0, 500, hot)
+            };
+            let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
+            picked(pick(&p, &c, &r, &mut Rng::new(1))).id
+        };
+        assert_eq!(pick_for(Some(0.02)), 0, "a bystander keeps its cache");
+        assert_ne!(pick_for(Some(0.5)), 0, "the hot family is copied");
+        // Unknown family (focus off or a new prefix): shed as before.
+        assert_ne!(pick_for(None), 0);
+        let off = SelectParams {
+            request_ratio_family: 0.0,
+            ..p
+        };
+        let holder = Candidate {
+            family_share: Some(0.02),
+            ..cand(0, 500, hot)
+        };
+        let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
+        assert_ne!(picked(pick(&off, &c, &r, &mut Rng::new(1))).id, 0);
+        // Far past the ratio copying the hot family has not been enough: anything goes.
+        let hotter = WorkerView {
+            recent_requests: 60.0,
+            ..hot
+        };
+        let holder = Candidate {
+            family_share: Some(0.02),
+            ..cand(0, 500, hotter)
+        };
+        let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
+        assert_ne!(picked(pick(&p, &c, &r, &mut Rng::new(1))).id, 0);
     }
 
     /// A lone session on a quiet fleet keeps its worker however long it runs.

@@ -202,8 +202,10 @@ pub fn debug_headers(r: &Router, d: &Decision) -> Vec<(&'static str, String)> {
     h
 }
 
-/// Each decode candidate: `name cost=.. cached=.. waiting=.. pending=.. [term=..]`, terms
-/// in KV blocks and only where non-zero, candidates separated by `; `.
+/// Each decode candidate: `name cost=.. cached=.. waiting=.. pending=.. [family=..]
+/// [term=..]`, family the share of the worker's recent requests from the request's prefix
+/// family (where it holds it), terms in KV blocks and only where non-zero, candidates
+/// separated by `; `.
 fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
     let mut s = String::new();
     for c in considered {
@@ -220,6 +222,9 @@ fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
             c.prefilling,
             c.prefill_tokens
         );
+        if let Some(f) = c.family_share {
+            let _ = write!(s, " family={f:.2}");
+        }
         for (name, v) in [
             ("prefill", t.prefill),
             ("recompute", t.recompute),
@@ -490,5 +495,16 @@ mod tests {
             .unwrap();
         assert!(!holder.contains(" cached=0 "), "{costs}");
         assert_eq!(costs.matches(" cached=0 ").count(), 2, "{costs}");
+        // The first request started the prefix, the second was its family's first: half of
+        // the holder's requests, and a share only the holder has.
+        let third = decide(&mut r, 4_000);
+        let h = debug_headers(&r, &third);
+        let costs = get_owned(&h, "x-kvroute-costs").expect("x-kvroute-costs");
+        let holder = costs
+            .split("; ")
+            .find(|c| c.starts_with(r.worker_name(first.decode)))
+            .unwrap();
+        assert!(holder.contains(" family=0.50 "), "{costs}");
+        assert_eq!(costs.matches(" family=").count(), 1, "{costs}");
     }
 }
