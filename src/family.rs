@@ -155,7 +155,11 @@ mod tests {
         }
         f.record(None, 0, 0);
         f.record(None, 0, 0);
-        assert!((f.share(1, 0, 0) - 0.6).abs() < 1e-9, "{}", f.share(1, 0, 0));
+        assert!(
+            (f.share(1, 0, 0) - 0.6).abs() < 1e-9,
+            "{}",
+            f.share(1, 0, 0)
+        );
         assert!((f.share(100, 0, 0) - 0.1).abs() < 1e-9);
         // Another worker took none of it, and an unknown family is no share.
         assert_eq!(f.share(1, 1, 0), 0.0);
