@@ -1033,39 +1033,34 @@ mod tests {
             ..idle()
         };
         let r = shape(8000);
-        let pick_for = |share: Option<f64>| {
+        // Where a request of a family with `share` of the holder's requests goes.
+        let pick_for = |p: &SelectParams, holder: WorkerView, share: Option<f64>| {
             let holder = Candidate {
                 family_share: share,
-                ..cand(0, 500, hot)
+                ..cand(0, 500, holder)
             };
             let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
-            picked(pick(&p, &c, &r, &mut Rng::new(1))).id
+            picked(pick(p, &c, &r, &mut Rng::new(1))).id
         };
-        assert_eq!(pick_for(Some(0.02)), 0, "a bystander keeps its cache");
-        assert_ne!(pick_for(Some(0.5)), 0, "the hot family is copied");
-        // Unknown family (focus off or a new prefix): shed as before.
-        assert_ne!(pick_for(None), 0);
+        assert_eq!(
+            pick_for(&p, hot, Some(0.02)),
+            0,
+            "a bystander keeps its cache"
+        );
+        assert_ne!(pick_for(&p, hot, Some(0.5)), 0, "the hot family is copied");
+        // Unknown family (a new prefix) or focus off: shed as before.
+        assert_ne!(pick_for(&p, hot, None), 0);
         let off = SelectParams {
             request_ratio_family: 0.0,
             ..p
         };
-        let holder = Candidate {
-            family_share: Some(0.02),
-            ..cand(0, 500, hot)
-        };
-        let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
-        assert_ne!(picked(pick(&off, &c, &r, &mut Rng::new(1))).id, 0);
+        assert_ne!(pick_for(&off, hot, Some(0.02)), 0);
         // Far past the ratio copying the hot family has not been enough: anything goes.
         let hotter = WorkerView {
             recent_requests: 60.0,
             ..hot
         };
-        let holder = Candidate {
-            family_share: Some(0.02),
-            ..cand(0, 500, hotter)
-        };
-        let c = [holder, cand(1, 0, calm), cand(2, 0, calm), cand(3, 0, calm)];
-        assert_ne!(picked(pick(&p, &c, &r, &mut Rng::new(1))).id, 0);
+        assert_ne!(pick_for(&p, hotter, Some(0.02)), 0);
     }
 
     /// A lone session on a quiet fleet keeps its worker however long it runs.
