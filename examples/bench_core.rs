@@ -718,6 +718,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
                 kv_blocks: (TOTAL_ENTRIES.div_ceil(b.workers)) as u32,
                 indexed_blocks: b.router.index().entries(w as u16) as u32,
                 load: b.router.worker_view(w as u16, now),
+                confirmed_tokens: held[w] * BLOCK_SIZE,
                 family_share: None,
             })
             .collect();

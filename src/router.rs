@@ -288,12 +288,18 @@ impl Router {
             total_blocks: prompt_blocks + output.div_ceil(bs),
         };
 
-        let mut held = vec![0u32; self.cfg.workers.len()];
-        self.held_blocks(&ph.blocks, now_ms, &mut held);
-        let overlap_tokens = |w: WorkerId| -> u32 {
-            let blocks = held.get(usize::from(w)).copied().unwrap_or(0);
-            ((f64::from(blocks) * tokens_per_block) as u32).min(prompt_tokens)
+        // Confirmed: what the index says each worker holds; held adds the routed requests
+        // not yet answered (speculative), which no cache holds until their prefill ran.
+        let mut confirmed = vec![0u32; self.cfg.workers.len()];
+        self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
+        let mut held = confirmed.clone();
+        self.speculative.extend(&ph.blocks, &mut held);
+        let to_tokens = |blocks: &[u32], w: WorkerId| -> u32 {
+            let b = blocks.get(usize::from(w)).copied().unwrap_or(0);
+            ((f64::from(b) * tokens_per_block) as u32).min(prompt_tokens)
         };
+        let overlap_tokens = |w: WorkerId| to_tokens(&held, w);
+        let confirmed_tokens = |w: WorkerId| to_tokens(&confirmed, w);
 
         // The request's family: the longest prefix some worker holds, named by its last block.
         let best = held.iter().copied().max().unwrap_or(0);
@@ -309,6 +315,7 @@ impl Router {
         let mut decode_cands = self.candidates(&self.decode_pool, &overlap_tokens, now_ms);
         for c in &mut decode_cands {
             c.family_share = family_share(c.id);
+            c.confirmed_tokens = confirmed_tokens(c.id);
         }
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
@@ -328,7 +335,10 @@ impl Router {
         if threshold > 0 && !self.prefill_pool.is_empty() {
             let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
             if uncached > threshold {
-                let cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
+                let mut cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
+                for c in &mut cands {
+                    c.confirmed_tokens = confirmed_tokens(c.id);
+                }
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
                     // The pool only pays when its queue lets the prefill finish no later than
@@ -456,6 +466,7 @@ impl Router {
                     .unwrap_or(1),
                 indexed_blocks: u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX),
                 load: self.worker_view(w, now_ms),
+                confirmed_tokens: 0,
                 family_share: None,
             })
             .collect()

@@ -7,7 +7,7 @@
 //!                    + uncached)                                          the wait for it
 //!   recompute = s * uncached * min(recompute_weight_max, recompute_weight_min + recompute_weight *
 //!                 requests waiting for prefill there, or on the pool's median worker if more)
-//!   duplicate = s * blocks cached on another worker but not here
+//!   duplicate = s * blocks confirmed cached on another worker but not here
 //!                 * (copy_weight + duplicate_weight * indexed blocks / kv_blocks)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
@@ -91,6 +91,11 @@ pub struct Candidate {
     /// Blocks the prefix index believes this worker's cache holds (at most `kv_blocks`).
     pub indexed_blocks: u32,
     pub load: WorkerView,
+    /// Of `overlap_tokens`, those the index confirms (answered requests): a copy of them
+    /// elsewhere loses a real cache hit. The rest belongs to routed requests not yet
+    /// answered, cached nowhere until their prefill runs (and never on a worker that holds
+    /// requests without answering them).
+    pub confirmed_tokens: u32,
     /// Share of this worker's recent requests from the request's prefix family
     /// ([`crate::family`]), when the worker holds all of that prefix; None when it does not
     /// (a request placed here is new to it) or the prefix is new to every worker.
@@ -154,8 +159,8 @@ pub struct Pool {
     /// Requests waiting for prefill on the median healthy worker: how scarce prefill capacity
     /// is across the pool, untouched by one hot worker's queue.
     pub waiting: u32,
-    /// The longest cached prefix any worker holds for this request, in tokens.
-    pub best_overlap_tokens: u32,
+    /// The longest confirmed cached prefix any worker holds for this request, in tokens.
+    pub best_confirmed_tokens: u32,
     /// Recent requests per healthy worker, on average ([`WorkerView::recent_requests`]).
     pub mean_recent: f64,
     /// Requests in flight per healthy worker, on average.
@@ -186,7 +191,7 @@ impl Pool {
         });
         Pool {
             waiting,
-            best_overlap_tokens: cands.iter().map(|c| c.overlap_tokens).max().unwrap_or(0),
+            best_confirmed_tokens: cands.iter().map(|c| c.confirmed_tokens).max().unwrap_or(0),
             mean_recent: if n == 0 { 0.0 } else { sum / f64::from(n) },
             mean_inflight: if n == 0 { 0.0 } else { inflight / f64::from(n) },
         }
@@ -287,11 +292,13 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
     // uncapped value would let write volume outweigh cache hits at high request rates.
     let pressure = (c.load.fresh_blocks / kv).min(1.0);
     let fullness = (f64::from(c.indexed_blocks) / kv).min(1.0);
-    // Blocks another worker already holds that this one would write again: into a full
-    // cache a duplicate pushes out content nobody else holds, which some later request will
-    // recompute; while the cache has room the copy is free.
+    // Blocks another worker is confirmed to hold that this one would write again: each is
+    // a lost cache hit (copy_weight), and into a full cache it also pushes out content
+    // nobody else holds, which some later request will recompute (duplicate_weight).
+    // Unanswered requests' blocks are cached nowhere yet; counting them would let a worker
+    // that takes requests and never answers attract its prompts' families.
     let duplicate = f64::from(
-        pool.best_overlap_tokens
+        pool.best_confirmed_tokens
             .min(r.prompt_tokens)
             .saturating_sub(c.overlap_tokens),
     ) / bs;
@@ -486,6 +493,7 @@ mod tests {
             kv_blocks: 1000,
             indexed_blocks: 0,
             load,
+            confirmed_tokens: overlap * 16,
             family_share: None,
         }
     }
@@ -880,7 +888,7 @@ mod tests {
         };
         let r = shape(1600);
         let roomy = [cand(0, 100, holder), cand(1, 0, idle())];
-        assert_eq!(Pool::of(&roomy).best_overlap_tokens, 1600);
+        assert_eq!(Pool::of(&roomy).best_confirmed_tokens, 1600);
         assert_eq!(picked(pick(&p, &roomy, &r, &mut Rng::new(1))).id, 1);
         let full_cache = Candidate {
             indexed_blocks: 1000,
@@ -1014,6 +1022,23 @@ mod tests {
         // One at a time, every worker is idle when a request lands: nothing to spread.
         let (per, copies) = hot_family(&SelectParams::default(), 0);
         assert_eq!(copies, 1, "{per:?}");
+    }
+
+    /// Blocks a worker holds only for requests it has not answered are cached nowhere yet:
+    /// copying them loses no hit, so a worker that takes requests and never answers them
+    /// does not attract its prompts' families (tests/e2e/test_chaos.py, the black hole).
+    #[test]
+    fn unanswered_blocks_are_no_lost_hit() {
+        let p = SelectParams::default();
+        let r = shape(1600);
+        let other = cand(1, 0, idle());
+        let copy = |holder: Candidate| terms(&p, &other, &r, &Pool::of(&[holder, other])).duplicate;
+        assert!(copy(cand(0, 100, idle())) > 0.0);
+        let unanswered = Candidate {
+            confirmed_tokens: 0,
+            ..cand(0, 100, idle())
+        };
+        assert_eq!(copy(unanswered), 0.0);
     }
 
     /// A hot worker sheds the prefix family that makes it hot, not a bystander: moving either
