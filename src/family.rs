@@ -27,11 +27,7 @@ struct Decaying {
 
 impl Decaying {
     fn at(&self, now_ms: u64, half_life_ms: u64) -> f64 {
-        if half_life_ms == 0 {
-            return 0.0;
-        }
-        let dt = now_ms.saturating_sub(self.at_ms) as f64;
-        self.value * (-dt / half_life_ms as f64 * core::f64::consts::LN_2).exp()
+        crate::load::decay(self.value, self.at_ms, now_ms, half_life_ms)
     }
 
     fn add(&mut self, now_ms: u64, half_life_ms: u64) {

@@ -471,7 +471,7 @@ impl LoadTable {
     }
 }
 
-fn decay(value: f64, at_ms: u64, now_ms: u64, half_life_ms: u64) -> f64 {
+pub(crate) fn decay(value: f64, at_ms: u64, now_ms: u64, half_life_ms: u64) -> f64 {
     if half_life_ms == 0 || value == 0.0 {
         return 0.0;
     }

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Paired comparison of kvroute against a variant of its config, over several dev seeds.
+
+Hit-rate differences between two kvroute settings are often the size of the run-to-run
+spread (about +-0.005 on these scenarios), so one run per setting decides nothing. This runs
+`kvroute` and `kvroute-tuned` (the default config merged with --tuned) on the same fleet for
+each seed, one scenario and load(s), and prints per-seed deltas with their mean and range.
+
+Only dev seeds: it refuses a scenario's held-out seed (tune on dev, report held-out).
+
+Usage: bench/paired.py --scenario docqa --speeds 24 --tuned '{"scoring":{"copy_weight":2}}' \\
+           --seeds 505,515,525 [--preset full]
+Results of the last seed stay in bench/results/dev-paired/ (not committed).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import scenarios  # noqa: E402
+
+NAME = "dev-paired"
+METRICS = [("hit", "hit_rate", "{:+.4f}"), ("ttft p50", ("ttft_sim_s", "p50"), "{:+.3f}"),
+           ("ttft p90", ("ttft_sim_s", "p90"), "{:+.3f}"), ("max/mean", "max_over_mean_requests", "{:+.2f}")]
+
+
+def metric(run, key):
+    if isinstance(key, tuple):
+        return (run.get(key[0]) or {}).get(key[1])
+    return run.get(key)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenario", required=True)
+    ap.add_argument("--speeds", required=True, help="comma-separated loads")
+    ap.add_argument("--tuned", required=True, help="JSON merged into the variant's plugin config")
+    ap.add_argument("--seeds", required=True, help="comma-separated dev seeds")
+    ap.add_argument("--preset", default="full")
+    a = ap.parse_args()
+    sc = scenarios.SCENARIOS.get(a.scenario)
+    if sc is None:
+        sys.exit(f"unknown scenario {a.scenario}")
+    if sc.get("workload") != "synthetic":
+        sys.exit(f"{a.scenario} replays a trace slice: it has no seeds to pair over")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    held = sc.get("heldout", {}).get("seed")
+    if held in seeds:
+        sys.exit(f"seed {held} is {a.scenario}'s held-out seed: tune on dev seeds only")
+    out = os.path.join(HERE, "results", NAME)
+    deltas = {}  # (load, metric) -> [delta per seed]
+    for seed in seeds:
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, os.path.join(HERE, "run.py"), "--preset", a.preset, "--scenario", a.scenario,
+               "--split", "dev", "--speeds", a.speeds, "--policies", "kvroute,kvroute-tuned",
+               "--tuned", a.tuned, "--set", f"seed={seed}", "--no-goodput", "--no-overhead", "--name", NAME]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if p.returncode != 0:
+            sys.exit(f"seed {seed}: run.py failed\n{p.stdout[-3000:]}")
+        with open(os.path.join(out, "results.json")) as f:
+            pols = json.load(f)["scenarios"][a.scenario]["policies"]
+        base, var = pols["kvroute"]["runs"], pols["kvroute-tuned"]["runs"]
+        for load in sorted(base, key=float):
+            if load not in var:
+                continue
+            cells = []
+            for label, key, _fmt in METRICS:
+                b, v = metric(base[load], key), metric(var[load], key)
+                if b is None or v is None:
+                    continue
+                deltas.setdefault((load, label), []).append(v - b)
+                cells.append(f"{label} {b:.3f} -> {v:.3f}")
+            print(f"seed {seed} load {load}: " + ", ".join(cells), flush=True)
+    print(f"\n{a.scenario}, variant {a.tuned} minus default, {len(seeds)} seeds:")
+    for (load, label), ds in sorted(deltas.items(), key=lambda kv: (float(kv[0][0]), kv[0][1])):
+        fmt = next(f for lb, _, f in METRICS if lb == label)
+        print(f"  load {load} {label:9}: mean {fmt.format(statistics.mean(ds))}"
+              f"  range [{fmt.format(min(ds))} .. {fmt.format(max(ds))}]"
+              f"  better in {sum(1 for d in ds if (d > 0) == (label == 'hit') and d != 0)}/{len(ds)}")
+
+
+if __name__ == "__main__":
+    main()
