@@ -93,6 +93,11 @@ COMMON = dict(
     # by default, which keeps make bench within 40 min on 2 cores (bench/README.md);
     # --bisect-slos all for every SLO.
     bisect_slos=[2.0],
+    # auto also bisects kvroute and the best peer at any other SLO where the sweep cannot
+    # decide the comparison: their read-off goodputs within this factor of each other, or
+    # one or both missing the SLO at the lowest load (0: off). Clear wins and losses, and
+    # both meeting the SLO up to the cap, stay read off the sweep.
+    bisect_close=0.15,
     # auto also bisects round-robin at 2 s where the 3x target needs it (off by default: time).
     bisect_rr=False,
     envoy_concurrency=2,
@@ -1011,8 +1016,10 @@ def gp_text(g, digits=3):
 
 
 def per_repeat_text(g):
-    """The goodput each repeat gives: a deciding load, or `<lo` when the repeat missed at lo."""
-    return "/".join(f"{x:g}" if x else f"<{g['lo']:g}" for x in g["per_repeat"])
+    """The goodput each repeat gives: a deciding load, or `<lo` when the repeat missed at lo
+    (`<hi` when even the floor missed, so there is no lo)."""
+    below = g["lo"] if g["lo"] is not None else g["hi"]
+    return "/".join(f"{x:g}" if x else f"<{below:g}" for x in g["per_repeat"])
 
 
 def oracle_best(cands):
@@ -1114,8 +1121,9 @@ class Runner:
 
 def bisect_jobs(cfg, sres):
     """(policy, SLO) pairs to bisect. auto: kvroute and kvroute-tuned at every bisected SLO, the
-    peer with the best sweep goodput at each, round-robin at 2 s where the 3x target needs it
-    (only with bisect_rr, --set bisect_rr=true);
+    peer with the best sweep goodput at each, both of them at any other SLO the sweep leaves
+    a close call (`bisect_close`), round-robin at 2 s where the 3x target needs it (only with
+    bisect_rr, --set bisect_rr=true);
     all: every policy run but the oracle; else the comma-separated policies at every SLO."""
     pols = [p for p, r in sres["policies"].items() if r.get("runs")]
     spec = cfg["bisect"]
@@ -1127,12 +1135,49 @@ def bisect_jobs(cfg, sres):
         return [(p, s) for p in pols if p in want for s in slos]
     jobs = [(p, s) for p in pols if p.startswith("kvroute") for s in slos]
     for s in slos:
-        cands = [(goodput_result(sres["policies"][p], cfg, s, "sweep")["value"], p) for p in PEERS if p in pols]
-        if cands:
-            jobs.append((max(cands)[1], s))
+        peer = best_peer_by_sweep(cfg, sres, pols, s)
+        if peer:
+            jobs.append((peer, s))
+    for s in close_calls(cfg, sres, pols, slos):
+        jobs += [j for j in [("kvroute", s), (best_peer_by_sweep(cfg, sres, pols, s), s)] if j not in jobs]
     if cfg["bisect_rr"] and cfg["scenario"] in TARGET_3X_RR and "envoy-round-robin" in pols and 2.0 in slos:
         jobs.append(("envoy-round-robin", 2.0))
     return jobs
+
+
+def best_peer_by_sweep(cfg, sres, pols, slo):
+    """The peer with the most goodput read off the sweep; among peers that all missed the SLO
+    at the lowest load, the one that came closest there."""
+    def key(p):
+        pts = points_of(sres["policies"][p])
+        m = slo_metric(pts[min(pts)], cfg, slo) if pts else None
+        return (goodput_result(sres["policies"][p], cfg, slo, "sweep")["value"], -(m if m is not None else 1e9))
+    peers = [p for p in PEERS if p in pols]
+    return max(peers, key=key) if peers else None
+
+
+def close_calls(cfg, sres, pols, bisected):
+    """The SLOs outside `bisected` where kvroute against the best peer is not settled by the
+    sweep (`bisect_close`): read-off goodputs within that factor, or a miss at the lowest load
+    on either side (its goodput is only known to be below that load)."""
+    band = cfg.get("bisect_close") or 0.0
+    if band <= 0 or "kvroute" not in pols:
+        return []
+    low = min(cfg["speeds"])
+    out = []
+    for s in cfg["slos"]:
+        peer = best_peer_by_sweep(cfg, sres, pols, s)
+        if s in bisected or peer is None:
+            continue
+        k = goodput_result(sres["policies"]["kvroute"], cfg, s, "sweep")
+        g = goodput_result(sres["policies"][peer], cfg, s, "sweep")
+        if not k or not g or (k["kind"] == ">=" and g["kind"] == ">="):
+            continue
+        # A miss at the lowest load is a goodput somewhere below it.
+        vk, vg = (low if x["kind"] == "<" else x["value"] for x in (k, g))
+        if "<" in (k["kind"], g["kind"]) or (vk > 0 and vg > 0 and max(vk, vg) / min(vk, vg) <= 1 + band):
+            out.append(s)
+    return out
 
 
 def analyze(cfg, res):
