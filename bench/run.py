@@ -1158,8 +1158,8 @@ def best_peer_by_sweep(cfg, sres, pols, slo):
 
 def close_calls(cfg, sres, pols, bisected):
     """The SLOs outside `bisected` where kvroute against the best peer is not settled by the
-    sweep (`bisect_close`): read-off goodputs within that factor, or a miss at the lowest load
-    on either side (its goodput is only known to be below that load)."""
+    sweep (`bisect_close`): read-off goodputs within that factor (a miss at the lowest load
+    counting as that load), or both missing at the lowest load."""
     band = cfg.get("bisect_close") or 0.0
     if band <= 0 or "kvroute" not in pols:
         return []
@@ -1173,9 +1173,11 @@ def close_calls(cfg, sres, pols, bisected):
         g = goodput_result(sres["policies"][peer], cfg, s, "sweep")
         if not k or not g or (k["kind"] == ">=" and g["kind"] == ">="):
             continue
-        # A miss at the lowest load is a goodput somewhere below it.
+        # A miss at the lowest load is a goodput somewhere below it: against the other side's
+        # read-off that is close only if that is near the lowest load too.
         vk, vg = (low if x["kind"] == "<" else x["value"] for x in (k, g))
-        if "<" in (k["kind"], g["kind"]) or (vk > 0 and vg > 0 and max(vk, vg) / min(vk, vg) <= 1 + band):
+        both_missed = k["kind"] == "<" and g["kind"] == "<"
+        if both_missed or (vk > 0 and vg > 0 and max(vk, vg) / min(vk, vg) <= 1 + band):
             out.append(s)
     return out
 
