@@ -94,9 +94,10 @@ COMMON = dict(
     # --bisect-slos all for every SLO.
     bisect_slos=[2.0],
     # auto also bisects kvroute and the best peer at any other SLO where the sweep cannot
-    # decide the comparison: their read-off goodputs within this factor of each other, or
-    # one or both missing the SLO at the lowest load (0: off). Clear wins and losses, and
-    # both meeting the SLO up to the cap, stay read off the sweep.
+    # decide the comparison: their read-off goodputs within this factor of each other (a
+    # miss at the lowest load counting as that load), or both missing the SLO at the lowest
+    # load (0: off). Clear wins and losses, and both meeting the SLO up to the cap, stay read
+    # off the sweep.
     bisect_close=0.15,
     # auto also bisects round-robin at 2 s where the 3x target needs it (off by default: time).
     bisect_rr=False,

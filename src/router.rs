@@ -312,10 +312,14 @@ impl Router {
             (held.get(usize::from(w)).copied().unwrap_or(0) >= best)
                 .then(|| self.families.share(f, w, now_ms))
         };
-        let mut decode_cands = self.candidates(&self.decode_pool, &overlap_tokens, now_ms);
+        let mut decode_cands = self.candidates(
+            &self.decode_pool,
+            &overlap_tokens,
+            &confirmed_tokens,
+            now_ms,
+        );
         for c in &mut decode_cands {
             c.family_share = family_share(c.id);
-            c.confirmed_tokens = confirmed_tokens(c.id);
         }
         let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
@@ -335,10 +339,12 @@ impl Router {
         if threshold > 0 && !self.prefill_pool.is_empty() {
             let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
             if uncached > threshold {
-                let mut cands = self.candidates(&self.prefill_pool, &overlap_tokens, now_ms);
-                for c in &mut cands {
-                    c.confirmed_tokens = confirmed_tokens(c.id);
-                }
+                let cands = self.candidates(
+                    &self.prefill_pool,
+                    &overlap_tokens,
+                    &confirmed_tokens,
+                    now_ms,
+                );
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
                     // The pool only pays when its queue lets the prefill finish no later than
@@ -410,7 +416,7 @@ impl Router {
 
     /// Least-loaded healthy worker for a request we cannot read.
     fn route_fallback(&mut self, why: Fallback, now_ms: u64) -> RouteResult {
-        let cands = self.candidates(&self.decode_pool, &|_| 0, now_ms);
+        let cands = self.candidates(&self.decode_pool, &|_| 0, &|_| 0, now_ms);
         let shape = RequestShape::default();
         let pick = match select::pick(&self.sel, &cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
@@ -452,6 +458,7 @@ impl Router {
         &self,
         pool: &[WorkerId],
         overlap: &dyn Fn(WorkerId) -> u32,
+        confirmed: &dyn Fn(WorkerId) -> u32,
         now_ms: u64,
     ) -> Vec<Candidate> {
         pool.iter()
@@ -466,7 +473,7 @@ impl Router {
                     .unwrap_or(1),
                 indexed_blocks: u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX),
                 load: self.worker_view(w, now_ms),
-                confirmed_tokens: 0,
+                confirmed_tokens: confirmed(w),
                 family_share: None,
             })
             .collect()
