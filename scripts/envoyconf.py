@@ -176,6 +176,12 @@ def _cluster(site: Site, name: str, endpoints: list, lb_policy: str | None = Non
         c["per_connection_buffer_limit_bytes"] = 33554432
         c["circuit_breakers"] = {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                                  "max_requests": 100000, "max_retries": 100}]}
+    elif eject:
+        # Envoy allows 3 concurrent retries per cluster by default: a worker that dies or
+        # resets with dozens of requests waiting for their first byte would have all but
+        # three of them fail instead of retried elsewhere. Retries stay bounded by the
+        # route's num_retries; this only lets each of those requests have its retry.
+        c["circuit_breakers"] = {"thresholds": [{"max_retries": 1024}]}
     c["load_assignment"] = {"cluster_name": name, "endpoints": endpoints}
     return c
 
@@ -216,6 +222,9 @@ def worker_clusters(site: Site, fleet: list[Upstream]) -> list:
             "from hanging on it before the retry. Each endpoint names its worker in metadata."))
     elif site.outlier_ejection:
         out.append(Note("A worker that refuses connections is ejected for a while, also for first tries."))
+    if not site.load_test:
+        out.append(Note("max_retries: a worker that dies with many requests still waiting for their first\n"
+                        "byte gets each of them retried (Envoy's default allows 3 retries at once per cluster)."))
     for w in fleet:
         pool = [o for o in fleet if (o.role == "prefill") == (w.role == "prefill") and o is not w]
         endpoints = [{"priority": 0, "lb_endpoints": [_endpoint(site, w)]}]

@@ -29,9 +29,11 @@ def completion(prompt, max_tokens=8, **extra):
 
 
 def one_request(port, body, timeout=30.0):
-    """Sends one POST; returns 'ok', 'cut' (headers came, the body did not finish) or 'lost'."""
+    """Sends one POST; returns ('ok' | 'cut' | 'lost', why): cut when headers came and the
+    body did not finish, lost when no complete answer came; why says what the client saw."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     got_headers = False
+    t0 = time.time()
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                      headers={"content-type": "application/json"})
@@ -39,13 +41,15 @@ def one_request(port, body, timeout=30.0):
         got_headers = True
         data = r.read()
         if r.status != 200:
-            return "lost"
+            return "lost", f"status {r.status} after {time.time() - t0:.2f} s: {data[:200]!r}"
         if body.get("stream"):
-            return "ok" if data.rstrip().endswith(b"data: [DONE]") else "cut"
+            done = data.rstrip().endswith(b"data: [DONE]")
+            return ("ok", "") if done else ("cut", "stream without [DONE]")
         json.loads(data)
-        return "ok"
-    except (OSError, http.client.HTTPException, ValueError):
-        return "cut" if got_headers and body.get("stream") else "lost"
+        return "ok", ""
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        why = f"{type(e).__name__} {e} after {time.time() - t0:.2f} s"
+        return ("cut" if got_headers and body.get("stream") else "lost"), why
     finally:
         conn.close()
 
@@ -60,6 +64,8 @@ class Traffic:
         self.max_tokens = max_tokens
         self.prefixes = [text(100 + i, 600) for i in range(prefixes)]
         self.outcomes = {"ok": 0, "cut": 0, "lost": 0}
+        # What the client saw of the first few lost or cut requests: a failure says why.
+        self.failures = []
         self.lock = threading.Lock()
         self.running = True
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(parallel)]
@@ -71,9 +77,11 @@ class Traffic:
             stream = self.stream_every and n % self.stream_every == 0
             prompt = self.prefixes[(t + n) % len(self.prefixes)] + f" client {t} turn {n}"
             body = completion(prompt, self.max_tokens, **({"stream": True} if stream else {}))
-            outcome = one_request(self.port, body)
+            outcome, why = one_request(self.port, body)
             with self.lock:
                 self.outcomes[outcome] += 1
+                if outcome != "ok" and len(self.failures) < 5:
+                    self.failures.append(f"{outcome}: {why}")
 
     def start(self):
         for th in self.threads:
@@ -90,6 +98,8 @@ class Traffic:
         with self.lock:
             o = dict(self.outcomes)
         o["sent"] = o["ok"] + o["cut"] + o["lost"]
+        if self.failures:
+            o["failures"] = list(self.failures)
         return o
 
 
@@ -206,6 +216,31 @@ def test_worker_that_accepts_and_never_answers(monkeypatch):
         assert out["ok"] > 20, out
         assert len(hole.held) >= 1, "the black hole was tried"
         assert s.stats().get('kvroute_worker_failures_total{worker="decode-hole"}', 0) >= 1
+        assert_no_stuck_load(s, [w.name for w in fleet])
+        assert_vm_never_crashed(s)
+
+
+def test_worker_dropping_many_waiting_requests_at_once():
+    """A worker dies holding a dozen requests that got no first byte: Envoy retries every
+    one of them on another worker. Envoy's default circuit breaker allows 3 retries at once
+    per cluster and would fail the rest; the generated clusters raise it. Costs are flat
+    here (no load or cache terms) so that every client ends up waiting on the hole."""
+    hole = RawWorker("decode-hole", never_answers)
+    fleet = [Worker("decode-1", role="decode"), hole, Worker("decode-2", role="decode")]
+    flat = {**PLUGIN, "scoring": {"prefill_load_scale": 0.0, "decode_weight": 0.0, "cache_balance": 0.0}}
+    with Stack(fleet, kvroute=flat, concurrency=2) as s:
+        t = Traffic(s.listen, parallel=12, stream_every=0).start()
+        deadline = time.time() + 10
+        while len(hole.held) < 10 and time.time() < deadline:
+            time.sleep(0.05)
+        held = len(hole.held)
+        hole.stop()
+        time.sleep(1.0)
+        out = t.stop()
+        print(f"\nheld {held}: {out}")
+        assert held >= 10, f"only {held} requests reached the hole"
+        assert out["lost"] == 0, out
+        assert out["ok"] > held, out
         assert_no_stuck_load(s, [w.name for w in fleet])
         assert_vm_never_crashed(s)
 
