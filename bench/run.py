@@ -102,6 +102,8 @@ COMMON = dict(
     # auto also bisects round-robin at 2 s where the 3x target needs it (off by default: time).
     bisect_rr=False,
     envoy_concurrency=2,
+    # kvroute's debug headers (x-kvroute-costs and the rest): off, as in the shipped configs.
+    kvroute_debug=False,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
@@ -365,6 +367,10 @@ def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None, kv_events=Fal
 
 
 def kvroute_config(cfg, ws, extra):
+    # Debug headers off as shipped: building x-kvroute-costs re-scores every candidate and
+    # formats each term, per request. On (`--set kvroute_debug=true`), loadgen records the
+    # costs as route_costs in requests.jsonl.
+    extra = {"debug_headers": bool(cfg.get("kvroute_debug")), **(extra or {})}
     return envoyconf.bench_plugin(upstreams(cfg, ws), cfg["block_size"], extra)
 
 
@@ -474,15 +480,32 @@ def start_peer(cfg, policy, ws, logdir):
     return p, f"http://127.0.0.1:{port}"
 
 
-def check_routes(url, procs, policy):
-    """Waits until the router answers a completion; returns the serving worker."""
+def kvroute_routed(admins):
+    """Requests kvroute routed, summed over the Envoy admin URLs (its own stat, so the check
+    works with debug headers off)."""
+    n = 0
+    for a in admins:
+        st, _, b = http("GET", a + "/stats?filter=kvroute.requests.routed.total")
+        for line in b.decode(errors="replace").splitlines() if st == 200 else []:
+            name, _, v = line.partition(":")
+            # wasmcustom.kvroute.requests.routed.total in Envoy's own naming
+            if name.strip().endswith("kvroute.requests.routed.total") and v.strip().isdigit():
+                n += int(v)
+    return n
+
+
+def check_routes(url, procs, policy, admins=()):
+    """Waits until the router answers a completion, and for kvroute (`admins`: its Envoys'
+    admin URLs) until the filter routed it."""
     def ok():
+        before = kvroute_routed(admins) if admins else 0
         st, h, b = http("POST", url + "/v1/completions",
                         {"model": MODEL, "prompt": "ready check", "max_tokens": 1}, timeout=5)
         hl = {k.lower(): v for k, v in h.items()}
-        steered = not policy.startswith("kvroute") or "x-kvroute-worker" in hl
+        steered = not admins or "x-kvroute-worker" in hl or kvroute_routed(admins) > before
         return st == 200 and steered, (f"HTTP {st} {b[:200]!r} worker={hl.get('x-worker-id')}"
-                                       + ("" if steered else " (no x-kvroute-worker: the filter did not route)"))
+                                       + ("" if steered else " (kvroute.requests.routed did not count it: "
+                                          "the filter did not route)"))
     return wait_until(ok, 60, f"{policy} router", procs)
 
 
@@ -668,13 +691,13 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                 else:
                     p, url = start_peer(cfg, policy, ws, gdir)
                 procs.append(p)
-                check_routes(url, procs, policy)
+                check_routes(url, procs, policy, admins[-1:] if policy.startswith("kvroute") else ())
                 urls.append(url)
             url = urls[0]
             if n_gw > 1:
                 p, url = start_front(cfg, urls, cell)
                 procs.append(p)
-                check_routes(url, procs, policy)
+                check_routes(url, procs, policy, admins if policy.startswith("kvroute") else ())
             lg += ["--target", url]
         if policy in PRECISE_POLICIES:
             precise = {"stream_live_seen": False}
@@ -860,8 +883,8 @@ def run_overhead(cfg, rawdir, have_kvroute):
             os.makedirs(kdir, exist_ok=True)
             try:
                 t_kv = time.time()
-                p2, url2, _ = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
-                check_routes(url2, [p2], "kvroute")
+                p2, url2, admin2 = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
+                check_routes(url2, [p2], "kvroute", [admin2])
                 targets["envoy+kvroute"] = url2
                 # For its first 10 s every kvroute VM takes replication messages at once
                 # (STARTUP_URGENT_MS in src/filter/state.rs); measure the steady state after it.

@@ -573,7 +573,7 @@ def bench_plugin(fleet: list[Upstream], block_size: int, extra: dict | None = No
     """bench/run.py's kvroute configuration: every worker decodes (no disaggregation)."""
     c = {"workers": [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "kv_blocks": w.kv_blocks}
                      for w in fleet],
-         "block_size": block_size, "debug_headers": True, "disaggregation": {"threshold_tokens": 0}}
+         "block_size": block_size, "debug_headers": False, "disaggregation": {"threshold_tokens": 0}}
     for k, v in (extra or {}).items():
         if isinstance(v, dict):
             c.setdefault(k, {}).update(v)
