@@ -694,14 +694,29 @@ impl Router {
     /// confirms the request's index entries; any other answer leaves them speculative until
     /// the request ends and drops them.
     pub fn on_first_byte(&mut self, d: &Decision, success: bool, now_ms: u64) -> Vec<Event> {
-        let mut out = vec![Event::PrefillDone { id: d.id }];
-        if success && !d.hashes().is_empty() {
-            out.push(Event::Confirmed { id: d.id });
-        }
-        for e in &out {
-            self.apply(e, now_ms);
-        }
+        let mut out = vec![self.on_prefill_done(d, now_ms)];
+        out.extend(self.on_confirmed(d, success, now_ms));
         out
+    }
+
+    /// The first half of [`Router::on_first_byte`]: the prompt's prefill left the worker's
+    /// queue (cheap; the load it frees matters to the very next pick).
+    pub fn on_prefill_done(&mut self, d: &Decision, now_ms: u64) -> Event {
+        let e = Event::PrefillDone { id: d.id };
+        self.apply(&e, now_ms);
+        e
+    }
+
+    /// The second half: a 2xx answer confirms the request's index entries. Inserting a cold
+    /// prompt's blocks costs a few hundred microseconds, so the filter runs this after the
+    /// first byte went on to the client (at the next chunk or when the request ends).
+    pub fn on_confirmed(&mut self, d: &Decision, success: bool, now_ms: u64) -> Option<Event> {
+        if !success || d.hashes().is_empty() {
+            return None;
+        }
+        let e = Event::Confirmed { id: d.id };
+        self.apply(&e, now_ms);
+        Some(e)
     }
 
     /// The request is over (success or not): release its load.

@@ -28,6 +28,9 @@ pub struct Http {
     /// The response status was 2xx (its body confirms the request's index entries).
     success: bool,
     first_byte: bool,
+    /// The first byte of a 2xx answer went to the client and its index entries are not
+    /// confirmed yet: the insert waits for the next chunk or the end, off the first byte.
+    confirm_due: bool,
     finished: bool,
     tail: UsageTail,
 }
@@ -50,6 +53,7 @@ impl Http {
             saw_response: false,
             success: false,
             first_byte: false,
+            confirm_due: false,
             finished: false,
             tail: UsageTail::default(),
         }
@@ -240,12 +244,14 @@ impl Http {
         if body_size > 0 {
             if !self.first_byte {
                 self.first_byte = true;
+                self.confirm_due = self.success;
                 let now = self.host.now_ms();
-                let success = self.success;
                 self.with(|s| {
-                    let evs = s.router.on_first_byte(d, success, now);
-                    s.broadcast(&evs);
+                    let e = s.router.on_prefill_done(d, now);
+                    s.broadcast(&[e]);
                 });
+            } else {
+                self.confirm(d);
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.
             if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
@@ -274,6 +280,19 @@ impl Http {
         }
     }
 
+    /// Confirms the request's index entries if its first byte left them due.
+    fn confirm(&mut self, d: &Decision) {
+        if !std::mem::take(&mut self.confirm_due) {
+            return;
+        }
+        let now = self.host.now_ms();
+        self.with(|s| {
+            if let Some(e) = s.router.on_confirmed(d, true, now) {
+                s.broadcast(&[e]);
+            }
+        });
+    }
+
     fn finish(&mut self) {
         if self.finished {
             return;
@@ -282,6 +301,9 @@ impl Http {
         let Some(d) = self.decision.take() else {
             return;
         };
+        // Before the request's load is freed: confirmed blocks stay in the index, blocks
+        // still speculative leave with it.
+        self.confirm(&d);
         // No response headers at all: connect failure, reset or timeout upstream, unless the
         // client went away first. With a response, on_http_response_headers judged it.
         let outcome = if self.saw_response {

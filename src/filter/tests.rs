@@ -1194,6 +1194,7 @@ fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     a.answer(&mut h, "200", &[]);
     a.body_chunk(&mut h, b"{}", true);
     let d = h.decision().unwrap().clone();
+    a.done(&mut h);
     let w = usize::from(d.decode);
     let hashes = d.hashes().to_vec();
     assert_eq!(a.held(&hashes)[w] as usize, hashes.len());
@@ -1409,4 +1410,62 @@ fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
     b.relay_update(500, &u);
     assert_eq!(b.inflight(), 1, "B's own request stays");
     assert_eq!(b.counter("kvroute.peers.gone.total"), 1);
+}
+
+/// The first byte goes on to the client before the prompt's blocks are inserted into the
+/// index (a cold prompt's insert costs hundreds of microseconds in V8): they are confirmed
+/// at the next chunk, or when a one-chunk answer ends; a failed answer never confirms.
+#[test]
+fn the_index_insert_waits_until_the_first_byte_has_gone() {
+    let vm = Vm::new("");
+    let (mut h, _) = vm.post(&"y".repeat(400));
+    let d = h.decision().unwrap().clone();
+    let w = usize::from(d.decode);
+    let blocks = d.hashes().len();
+    assert!(blocks > 0);
+    vm.answer(&mut h, "200", &[]);
+    vm.body_chunk(&mut h, b"data: {}\n\n", false);
+    assert_eq!(
+        vm.held(d.hashes())[w],
+        0,
+        "not yet confirmed at the first byte"
+    );
+    assert_eq!(
+        vm.state.borrow().router.worker_view(d.decode, 0).prefilling,
+        0,
+        "prefill done at once"
+    );
+    vm.body_chunk(&mut h, b"data: {}\n\n", false);
+    assert_eq!(
+        vm.held(d.hashes())[w] as usize,
+        blocks,
+        "confirmed at the next chunk"
+    );
+    vm.body_chunk(&mut h, b"data: [DONE]\n\n", true);
+    vm.done(&mut h);
+    assert_eq!(
+        vm.held(d.hashes())[w] as usize,
+        blocks,
+        "kept after the request ends"
+    );
+
+    // One chunk that ends the answer: confirmed when the request ends.
+    let (mut h, _) = vm.post(&"z".repeat(400));
+    let d = h.decision().unwrap().clone();
+    let w = usize::from(d.decode);
+    vm.answer(&mut h, "200", &[]);
+    vm.body_chunk(&mut h, b"{}", true);
+    assert_eq!(vm.held(d.hashes())[w], 0);
+    vm.done(&mut h);
+    assert_eq!(vm.held(d.hashes())[w] as usize, d.hashes().len());
+
+    // A 4xx never confirms.
+    let (mut h, _) = vm.post(&"q".repeat(400));
+    let d = h.decision().unwrap().clone();
+    let w = usize::from(d.decode);
+    vm.answer(&mut h, "400", &[]);
+    vm.body_chunk(&mut h, b"{}", false);
+    vm.body_chunk(&mut h, b"{}", true);
+    vm.done(&mut h);
+    assert_eq!(vm.held(d.hashes())[w], 0);
 }
