@@ -1171,11 +1171,14 @@ def bisect_jobs(cfg, sres):
 
 def best_peer_by_sweep(cfg, sres, pols, slo):
     """The peer with the most goodput read off the sweep; among peers that all missed the SLO
-    at the lowest load, the one that came closest there."""
+    at the lowest load, the one that came closest there; among peers that all met it at the
+    highest load, the one with the most headroom there (the likeliest to go furthest)."""
     def key(p):
         pts = points_of(sres["policies"][p])
-        m = slo_metric(pts[min(pts)], cfg, slo) if pts else None
-        return (goodput_result(sres["policies"][p], cfg, slo, "sweep")["value"], -(m if m is not None else 1e9))
+        g = goodput_result(sres["policies"][p], cfg, slo, "sweep")
+        at = (max(pts) if g and g["kind"] == ">=" else min(pts)) if pts else None
+        m = slo_metric(pts[at], cfg, slo) if at is not None else None
+        return (g["value"] if g else 0.0, -(m if m is not None else 1e9))
     peers = [p for p in PEERS if p in pols]
     return max(peers, key=key) if peers else None
 
