@@ -104,6 +104,9 @@ COMMON = dict(
     envoy_concurrency=2,
     # kvroute's debug headers (x-kvroute-costs and the rest): off, as in the shipped configs.
     kvroute_debug=False,
+    # Each Envoy logs where every request's time went (envoyconf.TIMING_LOG_FORMAT) to its
+    # envoy.log; with loadgen's path_in (requests.jsonl) it splits the way to the worker.
+    envoy_timing_log=False,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
@@ -443,6 +446,8 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
             raise RuntimeError(f"{WASM} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
     site = envoyconf.bench_site(port, admin, WASM)
+    if cfg.get("envoy_timing_log"):
+        site = dataclasses.replace(site, access_log=True, access_log_format=envoyconf.TIMING_LOG_FORMAT)
     if policy in PRECISE_POLICIES:
         # decode-pool: round-robin over the workers, the cluster the tokenize calls go to.
         site = dataclasses.replace(site, fallback_pool=True)

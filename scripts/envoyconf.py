@@ -84,6 +84,8 @@ class Site:
     max_downstream_connections: int = 10000
     max_heap_bytes: int = 4 << 30
     access_log: bool = False
+    # The access log's line format: empty for ACCESS_LOG_FORMAT.
+    access_log_format: str = ""
     # Requests kvroute does not steer: round-robin over the decode workers (a pool cluster)
     # instead of the first decode worker's cluster (which fails over to the others).
     fallback_pool: bool = False
@@ -115,6 +117,19 @@ ROUTER = {"name": "envoy.filters.http.router",
 ACCESS_LOG_FORMAT = ("[%START_TIME%] \"%REQ(:METHOD)% %REQ(:PATH)%\" %RESPONSE_CODE% %RESPONSE_FLAGS% "
                      "steer=%REQ(X-KVROUTE-CLUSTER)% upstream=%UPSTREAM_HOST% "
                      "attempts=%UPSTREAM_REQUEST_ATTEMPT_COUNT% %DURATION%ms\n")
+
+
+# Where a request's time went inside Envoy (bench/run.py --set envoy_timing_log=true): the
+# stream's start in unix seconds, then microseconds from the first request byte to the last
+# one, to the first and last byte sent upstream, and to the upstream connection's start and
+# end (set for a new connection only); the upstream connection id tells a reused one apart.
+TIMING_LOG_FORMAT = ("timing start=%START_TIME(%s.%6f)% "
+                     "rx_end=%COMMON_DURATION(DS_RX_BEG:DS_RX_END:us)% "
+                     "up_tx_beg=%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
+                     "up_tx_end=%COMMON_DURATION(DS_RX_BEG:US_TX_END:us)% "
+                     "up_cx_beg=%COMMON_DURATION(DS_RX_BEG:US_CX_BEG:us)% "
+                     "up_cx_end=%COMMON_DURATION(DS_RX_BEG:US_CX_END:us)% "
+                     "up_cx=%UPSTREAM_CONNECTION_ID% upstream=%UPSTREAM_HOST% bytes=%BYTES_RECEIVED%\n")
 
 
 WORKER_ID_FORMAT = "%UPSTREAM_METADATA(kvroute:worker)%"
@@ -385,7 +400,7 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
             "name": "envoy.access_loggers.stdout",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-                "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}},
+                "log_format": {"text_format_source": {"inline_string": site.access_log_format or ACCESS_LOG_FORMAT}}},
         }]
     hcm["route_config"] = {"name": "llm", "virtual_hosts": [{
         "name": "llm",

@@ -46,6 +46,11 @@ pub struct Outcome {
     /// schedule: free of client, router and CPU-contention delays.
     pub engine_ttft: Option<f64>,
     pub engine_e2e: Option<f64>,
+    /// Unix seconds: when the worker received the request and sent its first token (the
+    /// mock's report), and this client's dispatch (`t0`) on the same clock.
+    pub engine_arrived: Option<f64>,
+    pub engine_first_sent: Option<f64>,
+    pub t0_unix: f64,
     /// kvroute's per-candidate costs (`x-kvroute-costs`, present when its debug headers are
     /// on): why the request went where it went.
     pub route_costs: String,
@@ -60,6 +65,8 @@ fn read_engine_timing(v: &str, o: &mut Outcome) {
         match kv.split_once('=') {
             Some(("ttft", x)) => o.engine_ttft = x.parse().ok(),
             Some(("e2e", x)) => o.engine_e2e = x.parse().ok(),
+            Some(("arrived", x)) => o.engine_arrived = x.parse().ok(),
+            Some(("first_sent", x)) => o.engine_first_sent = x.parse().ok(),
             _ => {}
         }
     }
@@ -106,6 +113,10 @@ async fn send_inner(
     mut on_first: Option<FirstToken>,
 ) -> Outcome {
     let mut o = Outcome::default();
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    o.t0_unix = since_epoch - t0.elapsed().as_secs_f64();
     let mut rb = Request::post(url).header("content-type", "application/json");
     for (k, v) in headers {
         rb = rb.header(*k, v.as_str());
@@ -310,6 +321,18 @@ mod tests {
             &mut last,
             &mut o,
             false,
+        );
+        handle_event(
+            b": x-mock-engine-timing ttft=0.1;e2e=0.3;arrived=100.25;first_sent=100.5",
+            t0,
+            t0,
+            &mut last,
+            &mut o,
+            false,
+        );
+        assert_eq!(
+            (o.engine_arrived, o.engine_first_sent),
+            (Some(100.25), Some(100.5))
         );
         handle_event(b": keep-alive", t0, t0, &mut last, &mut o, false);
         assert_eq!(o.out_tokens, 1);

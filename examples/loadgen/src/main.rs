@@ -527,6 +527,17 @@ pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
         "engine_ttft": o.engine_ttft,
         "engine_e2e": o.engine_e2e,
     });
+    // Where the client's TTFT went, wall seconds (the mock's clock stamps, same machine): to
+    // the worker's receipt, from its first token's send back to this client, and the
+    // worker's own delay in sending that token after its engine schedule produced it.
+    if let (Some(arr), Some(sent), Some(ttft), Some(ettft)) =
+        (o.engine_arrived, o.engine_first_sent, o.ttft, o.engine_ttft)
+    {
+        rec["sent_unix"] = json!(o.t0_unix);
+        rec["path_in"] = json!(arr - o.t0_unix);
+        rec["path_out"] = json!(o.t0_unix + ttft - sent);
+        rec["engine_send_lag"] = json!(sent - arr - ettft);
+    }
     if !o.route_costs.is_empty() {
         rec["route_costs"] = json!(o.route_costs);
     }

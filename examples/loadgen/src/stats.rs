@@ -73,6 +73,10 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
     // The mock engine's own timings (absent against a real engine or a non-mock worker).
     let engine_ttft: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_ttft")).collect();
     let engine_e2e: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_e2e")).collect();
+    // Where the rest of the client's TTFT went, wall seconds (main.rs, `path_in`).
+    let path_in: Vec<f64> = ok.iter().filter_map(|r| f(r, "path_in")).collect();
+    let path_out: Vec<f64> = ok.iter().filter_map(|r| f(r, "path_out")).collect();
+    let send_lag: Vec<f64> = ok.iter().filter_map(|r| f(r, "engine_send_lag")).collect();
     let itl: Vec<f64> = gaps
         .iter()
         .filter(|(i, _)| *i >= a.warmup)
@@ -179,6 +183,9 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         "late_s": dist(late, 1.0),
         "engine_ttft_sim_s": dist(engine_ttft, s),
         "engine_e2e_sim_s": dist(engine_e2e, s),
+        "path_in_s": dist(path_in, 1.0),
+        "path_out_s": dist(path_out, 1.0),
+        "engine_send_lag_s": dist(send_lag, 1.0),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "output_tokens": out_tokens,

@@ -2,6 +2,7 @@
 //! metrics, the cache probe and the prefill-to-decode handoff.
 
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,6 +47,13 @@ pub const TIMING_HEADER: &str = "x-mock-engine-timing";
 
 fn timing_value(t: &Timing) -> String {
     format!("ttft={:.6};e2e={:.6}", t.ttft, t.e2e)
+}
+
+/// Wall-clock seconds since the epoch: comparable with a client's clock on the same machine.
+fn unix_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Largest accepted request body; far above any prompt within --max-model-len.
@@ -461,6 +469,7 @@ fn header_str<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
 async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Response<RespBody> {
     // Stamped on receipt of the headers, before the body is read and parsed.
     let arrival = ctx.shared.arrive();
+    let arrived_unix = unix_secs();
     let shared = &ctx.shared;
     let name = shared.name.as_str();
     let cfg = &shared.cfg;
@@ -538,7 +547,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
     if parsed.stream {
         // Streaming headers go out now, so a (legacy) load report is taken now.
         let orca = ctx.orca(orca_fmt.as_ref(), true);
-        let sse = SseBody::new(rx, &id, &model, &parsed, cfg);
+        let sse = SseBody::new(rx, &id, &model, &parsed, cfg, arrived_unix);
         let mut r = Response::new(sse.boxed_unsync());
         let h = r.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -717,6 +726,11 @@ struct SseBody {
     details: bool,
     timing: bool,
     finished: bool,
+    /// Wall clock (unix seconds) at arrival and when the first token's chunk was handed to
+    /// the connection: with the engine's ttft they split a client's TTFT into the path to
+    /// the worker, the engine, the worker's own delivery lag and the path back.
+    arrived_unix: f64,
+    first_sent_unix: Option<f64>,
 }
 
 impl SseBody {
@@ -726,6 +740,7 @@ impl SseBody {
         model: &str,
         p: &Parsed,
         cfg: &Config,
+        arrived_unix: f64,
     ) -> Self {
         let kind = p.kind;
         let object = if kind == Kind::Chat {
@@ -748,12 +763,19 @@ impl SseBody {
             details: cfg.enable_prompt_tokens_details,
             timing: cfg.engine_timing,
             finished: false,
+            arrived_unix,
+            first_sent_unix: None,
         }
     }
 
     fn render(&mut self, e: Event) -> String {
         match e {
-            Event::Token(i) => self.token_chunk(i),
+            Event::Token(i) => {
+                if i == 0 {
+                    self.first_sent_unix = Some(unix_secs());
+                }
+                self.token_chunk(i)
+            }
             Event::Done(u, t) => {
                 self.finished = true;
                 self.final_chunk(&u, &t)
@@ -808,6 +830,9 @@ impl SseBody {
             s.push_str(TIMING_HEADER);
             s.push(' ');
             s.push_str(&timing_value(t));
+            if let Some(first) = self.first_sent_unix {
+                let _ = write!(s, ";arrived={:.6};first_sent={first:.6}", self.arrived_unix);
+            }
             s.push_str("\n\n");
         }
         s.push_str("data: [DONE]\n\n");

@@ -1031,7 +1031,15 @@ async fn engine_timing_is_the_model_even_when_the_engine_thread_stalls() {
         "{:?}",
         r.first_frame
     );
-    // Streams carry the same report as an SSE comment before [DONE].
+    // Streams carry the same report as an SSE comment before [DONE], with the wall-clock
+    // stamps of the request's receipt and its first token's send.
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let before = unix();
     let s = post(
         w.addr,
         "/v1/completions",
@@ -1047,6 +1055,17 @@ async fn engine_timing_is_the_model_even_when_the_engine_thread_stalls() {
     assert!(s.body.ends_with("data: [DONE]\n\n"));
     let (st, se) = engine_timing(&s).unwrap();
     assert!(st > 0.0 && se > st);
+    let (arrived, first_sent) = engine_wall_stamps(&s).expect("wall stamps");
+    let after = unix();
+    assert!(
+        before <= arrived && arrived <= first_sent && first_sent <= after,
+        "{before} {arrived} {first_sent} {after}"
+    );
+    // The first token cannot leave before the engine's schedule produced it.
+    assert!(
+        first_sent - arrived >= st - 1e-3,
+        "{arrived} {first_sent} {st}"
+    );
     let plain = worker("--no-engine-timing").await;
     let r = post(
         plain.addr,

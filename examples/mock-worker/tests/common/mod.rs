@@ -84,6 +84,21 @@ pub fn engine_timing(r: &Resp) -> Option<(f64, f64)> {
     Some((it.next()?, it.next()?))
 }
 
+/// A stream's wall-clock stamps from its timing comment (unix seconds): when the worker
+/// received the request and when it sent the first token.
+pub fn engine_wall_stamps(r: &Resp) -> Option<(f64, f64)> {
+    let v = r
+        .body
+        .split("\n\n")
+        .find_map(|e| e.strip_prefix(": x-mock-engine-timing "))?;
+    let field = |k: &str| {
+        v.split(';')
+            .find_map(|kv| kv.strip_prefix(k)?.strip_prefix('='))
+            .and_then(|x| x.parse().ok())
+    };
+    Some((field("arrived")?, field("first_sent")?))
+}
+
 pub async fn request(
     addr: SocketAddr,
     method: Method,
