@@ -251,8 +251,9 @@ impl Calls {
         self.ok(self.host.record_metric(id, v));
     }
 
-    pub fn set_tick_period(&self, period: Duration) {
-        self.ok(self.host.set_tick_period(period));
+    /// False if the host refused the period (then the timer keeps its old one).
+    pub fn set_tick_period(&self, period: Duration) -> bool {
+        self.ok(self.host.set_tick_period(period)).is_some()
     }
 
     pub fn http_call(

@@ -2,18 +2,13 @@
 
 use super::host::Calls;
 use super::http::Http;
-use super::state::State;
+use super::state::{State, HOUSEKEEPING};
 use crate::config::Config;
 use crate::replication::{self, SharedBus};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
-
-/// Heartbeats, expiry and gauges run on this period; peers are considered gone after
-/// `Timing::stale_ms` without a heartbeat.
-const TICK: Duration = Duration::from_millis(250);
 
 /// Makes the replication bus of a VM from its `vm_id`.
 pub type BusFactory = fn(String) -> Box<dyn SharedBus>;
@@ -88,14 +83,14 @@ impl RootContext for Root {
         let ns = replication::namespace(&plugin, &bytes);
         let state = State::configure(Rc::clone(host), cfg, (self.bus)(vm_id), &ns);
         self.state = Some(Rc::new(RefCell::new(state)));
-        host.set_tick_period(TICK);
+        host.set_tick_period(HOUSEKEEPING);
         true
     }
 
     fn on_tick(&mut self) {
         if let Some(st) = &self.state {
             if let Ok(mut s) = st.try_borrow_mut() {
-                s.tick();
+                s.on_timer();
             }
         }
     }

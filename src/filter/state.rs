@@ -19,6 +19,19 @@ use std::time::Duration;
 /// Replication messages handled per queue wake-up before yielding back to Envoy.
 const DRAIN_MAX: usize = 4096;
 
+/// Heartbeats, expiry and gauges run on this period; peers are considered gone after
+/// `Timing::stale_ms` without a heartbeat.
+pub const HOUSEKEEPING: Duration = Duration::from_millis(HOUSEKEEPING_MS);
+const HOUSEKEEPING_MS: u64 = 250;
+
+/// How long work deferred out of a request callback waits. Envoy delivers a queue message
+/// this VM sends itself in the same event-loop pass, and writes a request to the upstream
+/// socket only in the next one, so deferred work woken that way (the index inserts, the
+/// encoding, waking the peer threads) ran between the routing decision and the write: on a
+/// busy two-core host that put 1-2 ms in front of every request. The root's timer fires in a
+/// later pass, after the write, and peers still hear of a decision within milliseconds.
+const DEFER_MS: u64 = 1;
+
 pub struct State {
     pub(super) host: Rc<Calls>,
     pub router: Router,
@@ -35,7 +48,11 @@ pub struct State {
     /// with other gateways through the relay), and what it learnt from the relay (not).
     outbox: Vec<Event>,
     outbox_local: Vec<Event>,
+    /// Deferred work waits for the timer (or, where the host refused it, a queue wake-up).
     wake_pending: bool,
+    /// The root timer's period as last set (`DEFER_MS` while work waits).
+    timer_ms: u64,
+    next_housekeeping_ms: u64,
     poller: Poller,
     pub(super) relay: RelayStream,
     pub(super) plugin_name: String,
@@ -160,6 +177,8 @@ impl State {
             outbox: Vec::new(),
             outbox_local: Vec::new(),
             wake_pending: false,
+            timer_ms: HOUSEKEEPING_MS,
+            next_housekeeping_ms: 0,
             poller: Poller {
                 lease_key: format!("{ns}/metrics-poller"),
                 ..Poller::default()
@@ -170,7 +189,7 @@ impl State {
     }
 
     /// Queues events this VM already applied for the other VMs. They leave in one message
-    /// from `on_queue_ready`, after the callback that produced them returned, so request
+    /// from the deferred-work timer, after Envoy sent the request upstream, so request
     /// callbacks only push onto a vector.
     pub fn broadcast(&mut self, evs: &[Event]) {
         if evs.is_empty() {
@@ -195,8 +214,8 @@ impl State {
         self.schedule();
     }
 
-    /// Makes sure deferred work runs soon: a self-addressed wake-up, which Envoy delivers as
-    /// `on_queue_ready` once the current callback is done. Without a queue, work runs now.
+    /// Makes sure deferred work runs soon: the root timer, shortened to `DEFER_MS`. If the
+    /// host refuses that, a self-addressed wake-up; without either, the work runs now.
     fn schedule(&mut self) {
         if self.wake_pending {
             return;
@@ -208,14 +227,43 @@ impl State {
         if !self.relay.sharing_now() && self.repl.as_ref().is_some_and(|r| !r.any_urgent()) {
             return;
         }
-        if self
-            .repl
-            .as_ref()
-            .is_some_and(|r| r.wake_self(self.bus.as_ref()))
+        if self.set_timer(DEFER_MS)
+            || self
+                .repl
+                .as_ref()
+                .is_some_and(|r| r.wake_self(self.bus.as_ref()))
         {
             self.wake_pending = true;
         } else {
             self.run_deferred();
+        }
+    }
+
+    fn set_timer(&mut self, ms: u64) -> bool {
+        if self.timer_ms == ms {
+            return true;
+        }
+        let ok = self.host.set_tick_period(Duration::from_millis(ms));
+        if ok {
+            self.timer_ms = ms;
+        }
+        ok
+    }
+
+    /// The root's timer: the deferred work, if it waits, then housekeeping when it is due.
+    /// The timer goes back to the housekeeping period, less what has passed of it.
+    pub fn on_timer(&mut self) {
+        if self.wake_pending {
+            self.run_deferred();
+        }
+        let now = self.host.now_ms();
+        if now >= self.next_housekeeping_ms {
+            self.tick();
+            self.next_housekeeping_ms = now + HOUSEKEEPING_MS;
+        }
+        if !self.wake_pending {
+            let rest = self.next_housekeeping_ms.saturating_sub(now);
+            self.set_timer(rest.clamp(1, HOUSEKEEPING_MS));
         }
     }
 

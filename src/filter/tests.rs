@@ -52,6 +52,8 @@ struct Fake {
     grpc_cancelled: Vec<u32>,
     /// The message the current `on_grpc_stream_message` reads.
     grpc_message: Vec<u8>,
+    /// Every root timer period set, in ms.
+    tick_periods: Vec<u128>,
 }
 
 #[derive(Clone, Default)]
@@ -167,7 +169,9 @@ impl Host for FakeHost {
         Ok(())
     }
 
-    fn set_tick_period(&self, _period: Duration) -> HostResult<()> {
+    fn set_tick_period(&self, period: Duration) -> HostResult<()> {
+        self.fails("set_tick_period")?;
+        self.0.borrow_mut().tick_periods.push(period.as_millis());
         Ok(())
     }
 
@@ -894,12 +898,33 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
     let bus = Rc::new(MemoryBus::default());
     let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
     let b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    // a's first timer runs housekeeping: a learns of b, which wants messages at once.
+    a.state.borrow_mut().on_timer();
     let (_h, _) = a.post("replicate me");
     assert_eq!((a.inflight(), b.inflight()), (1, 0));
-    // Nothing was sent inside the request callback: the event waits for a's wake-up.
+    // Nothing was sent inside the request callback: the event waits for a's timer, cut to
+    // 1 ms so it fires after Envoy wrote the request upstream. A message a sent itself would
+    // run before that write, so none is sent.
     assert_eq!(a.counter("kvroute.replication.sent.total"), 0);
-    a.state.borrow_mut().drain();
+    assert_eq!(a.f().tick_periods, [1]);
+    assert_eq!(bus.dequeue(0), None, "no self-addressed wake-up");
+    a.f().now_ns += 1_000_000;
+    a.state.borrow_mut().on_timer();
     assert_eq!(a.counter("kvroute.replication.sent.total"), 1);
+    // The timer is back on the rest of the housekeeping period; a second decision shortens
+    // it again, once.
+    assert_eq!(a.f().tick_periods, [1, 249]);
+    let (_h2, _) = a.post("and me");
+    let (_h3, _) = a.post("and me too");
+    assert_eq!(a.f().tick_periods, [1, 249, 1]);
+    a.f().now_ns += 1_000_000;
+    a.state.borrow_mut().on_timer();
+    assert_eq!(a.counter("kvroute.replication.sent.total"), 3);
+    assert_eq!(a.f().tick_periods, [1, 249, 1, 248]);
+    // When the period is over, housekeeping runs and the full period is back.
+    a.f().now_ns += 248_000_000;
+    a.state.borrow_mut().on_timer();
+    assert_eq!(a.f().tick_periods, [1, 249, 1, 248, 250]);
     // b has not routed yet: a sends it its messages in batches, on a's ticks.
     b.state.borrow_mut().drain();
     assert_eq!(b.counter("kvroute.replication.received.total"), 0);
@@ -908,8 +933,21 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
     b.state.borrow_mut().drain();
     assert_eq!(b.inflight(), 0);
     b.state.borrow_mut().start_serving();
-    assert_eq!(b.inflight(), 1);
-    assert_eq!(b.counter("kvroute.replication.received.total"), 1);
+    assert_eq!(b.inflight(), 3);
+    assert_eq!(b.counter("kvroute.replication.received.total"), 3);
+}
+
+#[test]
+fn a_host_that_refuses_the_short_timer_gets_a_queue_wake_up() {
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let _b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    a.state.borrow_mut().on_timer();
+    a.f().failing.push("set_tick_period");
+    let (_h, _) = a.post("replicate me");
+    assert_eq!(bus.dequeue(0), Some(Vec::new()), "a woke itself instead");
+    a.state.borrow_mut().drain();
+    assert_eq!(a.counter("kvroute.replication.sent.total"), 1);
 }
 
 #[test]
