@@ -893,11 +893,17 @@ impl SharedBus for Process {
     }
 }
 
+/// Two VMs of one Envoy process (one bus), configured alike.
+fn two_vms(extra: &str) -> (Rc<MemoryBus>, Vm, Vm) {
+    let bus = Rc::new(MemoryBus::default());
+    let a = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus))));
+    let b = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus))));
+    (bus, a, b)
+}
+
 #[test]
 fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
-    let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
-    let b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let (bus, a, b) = two_vms(NO_DISAGG);
     // a's first timer runs housekeeping: a learns of b, which wants messages at once.
     a.state.borrow_mut().on_timer();
     let (_h, _) = a.post("replicate me");
@@ -939,9 +945,7 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
 
 #[test]
 fn a_host_that_refuses_the_short_timer_gets_a_queue_wake_up() {
-    let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
-    let _b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let (bus, a, _b) = two_vms(NO_DISAGG);
     a.state.borrow_mut().on_timer();
     a.f().failing.push("set_tick_period");
     let (_h, _) = a.post("replicate me");
@@ -968,9 +972,7 @@ fn idle_ticks_make_no_host_errors() {
 
 #[test]
 fn a_dead_peers_requests_are_released_by_the_survivors() {
-    let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
-    let b = Vm::with_bus(NO_DISAGG, Box::new(Process(Rc::clone(&bus))));
+    let (_bus, a, b) = two_vms(NO_DISAGG);
     a.state.borrow_mut().start_serving();
     let (_mine, _) = a.post("a's own request");
     let (_h1, _) = b.post("in flight when b crashes");
@@ -1075,9 +1077,7 @@ impl Vm {
 
 #[test]
 fn one_vm_scrapes_engine_metrics_and_replicates_the_load() {
-    let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(POLL, Box::new(Process(Rc::clone(&bus))));
-    let b = Vm::with_bus(POLL, Box::new(Process(Rc::clone(&bus))));
+    let (_bus, a, b) = two_vms(POLL);
     b.state.borrow_mut().start_serving();
     a.state.borrow_mut().tick();
     b.state.borrow_mut().tick();
@@ -1207,9 +1207,7 @@ fn relay_update(
 fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     use crate::precise::wire::{Phase, WatchRequest};
     use prost::Message;
-    let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(PRECISE, Box::new(Process(Rc::clone(&bus))));
-    let b = Vm::with_bus(PRECISE, Box::new(Process(Rc::clone(&bus))));
+    let (_bus, a, b) = two_vms(PRECISE);
     a.state.borrow_mut().start_serving();
     b.state.borrow_mut().start_serving();
     a.state.borrow_mut().tick();
