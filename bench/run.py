@@ -128,7 +128,8 @@ PRESETS = {
 }
 POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
             "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
-            "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
+            "envoy-ring-hash", "envoy-steer-rr", "envoy-steer-rr-buffered", "sglang-cache-aware",
+            "vllm-router-cache-aware", "oracle"]
 # Run when --policies is not given (the others stay runnable by --policies). kvroute-tokenize and
 # kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
 # kvroute-tuned), they add two runs per load to make bench's 40-minute budget, and
@@ -200,6 +201,28 @@ def expand_replicas(policies, replicas):
 TOKENIZE_MAX_FAILED = 0.01
 ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
             "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
+# Diagnostics of the proxy path, not routers: kvroute's Envoy layout (a cluster per worker, the
+# route following x-kvroute-cluster) steered round-robin by a Lua filter instead of the wasm
+# filter; -buffered also holds each request until its whole body is in, as kvroute does. Against
+# envoy-round-robin and kvroute in one run they split the extra per-request time into the
+# layout, the body buffering and the wasm filter's own part.
+STEER_RR = {"envoy-steer-rr": False, "envoy-steer-rr-buffered": True}
+
+
+def steer_rr_filter(clusters, buffered):
+    """An Envoy Lua filter naming the clusters in turn (per Envoy thread) in x-kvroute-cluster."""
+    names = ", ".join(f'"{c}"' for c in clusters)
+    code = (f"local clusters = {{{names}}}\n"
+            "local n = 0\n"
+            "function envoy_on_request(h)\n"
+            + ("  h:body()\n" if buffered else "")
+            + "  n = n % #clusters + 1\n"
+            "  h:headers():replace(\"x-kvroute-cluster\", clusters[n])\n"
+            "  h:clearRouteCache()\n"
+            "end\n")
+    return {"name": "envoy.filters.http.lua",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                             "default_source_code": {"inline_string": code}}}
 OVERHEAD_SIZES = [1000, 8000, 32000, 128000]
 # warm: one document, a new question each request (the usual chat / RAG case); cold: a new
 # prompt each request (every block is new to kvroute's index). Both with and without kvroute.
@@ -234,6 +257,20 @@ def log(*a):
 
 
 # ---------------------------------------------------------------- processes
+
+def proc_cpu_s(procs):
+    """User + system CPU seconds of these processes so far, all their threads (Linux /proc;
+    0 for a process that is gone or where /proc is missing)."""
+    total = 0
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
 
 class Procs:
     """Every process this suite starts, each in its own process group, stopped by pid."""
@@ -441,6 +478,8 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     `kvroute-relay` cluster, precise mode)."""
     port, admin = free_port(), free_port()
     conf = None
+    if policy in STEER_RR:
+        conf = kvroute_config(cfg, ws, kv_extra)  # for the layout; the filter is replaced below
     if policy.startswith("kvroute"):
         if not os.path.exists(WASM):
             raise RuntimeError(f"{WASM} not built (make wasm)")
@@ -454,6 +493,10 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     if relay_port:
         site = dataclasses.replace(site, relay=("127.0.0.1", relay_port))
     doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
+    if policy in STEER_RR:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [steer_rr_filter([w.name for w in upstreams(cfg, ws)], STEER_RR[policy]),
+                               envoyconf.ROUTER]
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
         f.write(envoyconf.to_yaml(doc))
@@ -715,6 +758,10 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                 precise["stream_live_at_start"] = min(stat(envoy_kvroute_stats(a), "kvroute_precise_stream_live")
                                                       for a in admins)
         live = []
+        # CPU the router under test (Envoy, a peer router, the replicas' front) and the fleet
+        # spend during the workload: on this 2-core machine it is taken from the others.
+        router_procs = [p for p in procs if all(p is not w["proc"] for w in ws)]
+        cpu0 = (proc_cpu_s(router_procs), proc_cpu_s([w["proc"] for w in ws]))
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
             if use_relay:
                 # The streams' liveness sampled through the run, the least live gateway's (a
@@ -733,10 +780,15 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                     precise["stream_live_max"] = max(live) if live else None
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
+        cpu1 = (proc_cpu_s(router_procs), proc_cpu_s([w["proc"] for w in ws]))
         if rc != 0:
             raise RuntimeError(f"loadgen exited {rc} (see {cell}/loadgen.log)")
         with open(os.path.join(cell, "summary.json")) as f:
             s = json.load(f)
+        if policy != "oracle":
+            s["router_cpu_s"] = round(cpu1[0] - cpu0[0], 3)
+            s["router_cpu_ms_per_request"] = round(1e3 * s["router_cpu_s"] / max(1, s["requests"]), 3)
+        s["fleet_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
         if precise is not None:
             # What the filter did with tokenization and the relay stream, and (precise) the
             # relay's own counters, at the end of the run; written before any check fails.
@@ -793,7 +845,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             f"TTFT p50 {fmt(s['ttft_sim_s']['p50'])} p90 {fmt(s['ttft_sim_s']['p90'])} s, "
             f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
-            f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, {s['wall_s']:.0f} s wall"
+            f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, "
+            + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request, " if "router_cpu_s" in s else "")
+            + f"{s['wall_s']:.0f} s wall"
             + ("" if precise is None else " | " + precise_text(precise))
             + ("" if sharing is None else " | " + sharing_text(sharing)))
         return s
@@ -1608,7 +1662,8 @@ def precise_markdown(cfg, res):
 
 
 SUMMARY_POLICIES = ["kvroute", "kvroute-noshare", "kvroute-precise-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
-                    "envoy-ring-hash", "envoy-least-request", "envoy-random", "oracle"]
+                    "envoy-ring-hash", "envoy-least-request", "envoy-random", "envoy-steer-rr",
+                    "envoy-steer-rr-buffered", "oracle"]
 
 
 def summary_markdown(res):
