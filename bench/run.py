@@ -500,8 +500,10 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
         f.write(envoyconf.to_yaml(doc))
-    argv = [ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart",
-            "-l", "warning"]
+    # KVROUTE_BENCH_ENVOY_WRAP: a command Envoy runs under, e.g. "strace -f -ttt -o /tmp/st.txt"
+    # (a profiler's view of one run; it slows Envoy, so not for numbers).
+    argv = os.environ.get("KVROUTE_BENCH_ENVOY_WRAP", "").split() + [
+        ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart", "-l", "warning"]
     p = Procs.start(argv, os.path.join(logdir, "envoy.log"))
     wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "envoy", [p])
     return p, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
