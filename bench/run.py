@@ -107,6 +107,10 @@ COMMON = dict(
     # Each Envoy logs where every request's time went (envoyconf.TIMING_LOG_FORMAT) to its
     # envoy.log; with loadgen's path_in (requests.jsonl) it splits the way to the worker.
     envoy_timing_log=False,
+    # loadgen asks for usage in every stream (prompt and cached tokens per request); false
+    # sends streams as most clients do, without stream_options.include_usage (hit rate then
+    # comes from the engines' own counters).
+    stream_usage=True,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
@@ -715,7 +719,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         lg = [LOADGEN] + workload_args(cfg, speed) + [
               "--max-output", str(cfg["max_output"]),
               "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
-              "--warmup", str(cfg["warmup"]), "--label", label, "--out", cell, "--timeout-s", "300"]
+              "--warmup", str(cfg["warmup"]), "--label", label, "--out", cell, "--timeout-s", "300",
+              "--stream-usage", "on" if cfg.get("stream_usage", True) else "off"]
         if policy == "oracle":
             lg += ["--oracle-workers", ",".join(w["url"] for w in ws),
                    "--oracle-prefill-scale", str(cfg["oracle_prefill_scale"]),
@@ -783,6 +788,13 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
         cpu1 = (proc_cpu_s(router_procs), proc_cpu_s([w["proc"] for w in ws]))
+        for i, a in enumerate(admins):
+            # Every Envoy stat at the end of the run (kvroute's route time, replication,
+            # fallbacks...), for whoever reads the raw folder.
+            st, _, body = http("GET", a + "/stats")
+            if st == 200:
+                with open(os.path.join(cell, f"envoy-stats{i if i else ''}.txt"), "wb") as f:
+                    f.write(body)
         if rc != 0:
             raise RuntimeError(f"loadgen exited {rc} (see {cell}/loadgen.log)")
         with open(os.path.join(cell, "summary.json")) as f:

@@ -65,6 +65,9 @@ pub struct Decision {
     pub prompt_bytes_est: f64,
     /// The decode candidates' costs, kept only for debug headers.
     pub considered: Vec<select::Considered>,
+    /// A stream the client asked no usage for: no chunk before the last carries `usage`
+    /// (OpenAI's `stream_options.include_usage`), so only the last is read.
+    pub usage_at_end_only: bool,
 }
 
 impl Decision {
@@ -262,6 +265,7 @@ impl Router {
         };
         // The parsed prompt (a batch's every entry) is not needed past hashing.
         let max_tokens = req.max_tokens;
+        let usage_at_end_only = req.stream && !req.include_usage;
         drop(req);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
@@ -411,6 +415,7 @@ impl Router {
             event,
             prompt_bytes_est: prompt_bytes,
             considered,
+            usage_at_end_only,
         })
     }
 
@@ -451,6 +456,8 @@ impl Router {
             event,
             prompt_bytes_est: 0.0,
             considered: Vec::new(),
+            // The body was not read: every chunk might carry usage.
+            usage_at_end_only: false,
         })
     }
 

@@ -254,8 +254,14 @@ impl Http {
                 self.confirm(d);
             }
             // Each callback sees only the new chunk; the stream passes through unbuffered.
-            if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
-                self.tail.push(&chunk);
+            // Reading it costs two crossings into the VM (the call and its allocation), for
+            // every token of a stream: skipped where no usage can come before the end. An
+            // engine that sends usage unasked (vLLM --enable-force-include-usage) is still
+            // read when its usage comes with the end of the stream.
+            if !d.usage_at_end_only || end_of_stream {
+                if let Some(chunk) = self.host.buffer(BufferType::HttpResponseBody, body_size) {
+                    self.tail.push(&chunk);
+                }
             }
         }
         if end_of_stream {

@@ -28,6 +28,8 @@ struct Fake {
     request_body: Vec<u8>,
     /// The response chunk the current body callback sees.
     response_chunk: Vec<u8>,
+    /// Response body reads (each a copy into the VM).
+    response_reads: u32,
     plugin_config: Vec<u8>,
     properties: HashMap<String, String>,
     sent: Vec<Sent>,
@@ -105,6 +107,9 @@ impl Host for FakeHost {
 
     fn buffer(&self, kind: BufferType, start: usize, max: usize) -> HostResult<Option<Vec<u8>>> {
         self.fails("buffer")?;
+        if kind == BufferType::HttpResponseBody {
+            self.0.borrow_mut().response_reads += 1;
+        }
         let f = self.0.borrow();
         let b = match kind {
             BufferType::HttpRequestBody => &f.request_body,
@@ -298,9 +303,11 @@ impl Vm {
 
     /// Runs a completion POST through the request callbacks up to the routing decision.
     fn post(&self, prompt: &str) -> (Http, Action) {
-        let body =
-            serde_json::to_vec(&serde_json::json!({"model":"m","prompt":prompt,"max_tokens":4}))
-                .unwrap();
+        self.post_json(serde_json::json!({"model":"m","prompt":prompt,"max_tokens":4}))
+    }
+
+    fn post_json(&self, json: serde_json::Value) -> (Http, Action) {
+        let body = serde_json::to_vec(&json).unwrap();
         self.request("POST", "/v1/completions", &[]);
         self.f().request_body = body.clone();
         let mut h = self.http();
@@ -730,6 +737,44 @@ fn last_sse_chunk_feeds_usage() {
     vm.body_chunk(&mut h, b"data: [DONE]\n\n", true);
     assert_eq!(vm.counter("kvroute.feedback.usage.total"), 1);
     assert_eq!(vm.recorded("kvroute.actual_hit_pct"), Some(50));
+    vm.done(&mut h);
+}
+
+#[test]
+fn a_stream_without_usage_asked_is_read_only_at_its_end() {
+    let vm = Vm::new(NO_DISAGG);
+    let token = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+    // The client asked for usage: every chunk may be the one carrying it.
+    let (mut h, _) = vm.post_json(serde_json::json!({"model":"m","prompt":"with usage",
+        "stream":true,"stream_options":{"include_usage":true}}));
+    vm.answer(&mut h, "200", &[]);
+    for _ in 0..3 {
+        vm.body_chunk(&mut h, token, false);
+    }
+    assert_eq!(vm.f().response_reads, 3);
+    vm.done(&mut h);
+
+    // It did not: the tokens pass unread, and the index is still confirmed on the second.
+    let (mut h, _) = vm.post_json(serde_json::json!({"model":"m","prompt":"z".repeat(400),
+        "stream":true}));
+    let d = h.decision().unwrap().clone();
+    vm.answer(&mut h, "200", &[]);
+    let before = vm.f().response_reads;
+    for _ in 0..3 {
+        vm.body_chunk(&mut h, token, false);
+    }
+    assert_eq!(vm.f().response_reads, before);
+    let w = usize::from(d.decode);
+    assert!(!d.hashes().is_empty());
+    assert_eq!(vm.held(d.hashes())[w] as usize, d.hashes().len());
+    // Usage an engine sends unasked still counts when it comes with the end.
+    vm.body_chunk(
+        &mut h,
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+        true,
+    );
+    assert_eq!(vm.f().response_reads, before + 1);
+    assert_eq!(vm.counter("kvroute.feedback.usage.total"), 1);
     vm.done(&mut h);
 }
 

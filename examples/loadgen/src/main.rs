@@ -53,6 +53,9 @@ run mode:
   --label NAME              name stored in the summary []
   --out DIR                 write summary.json and requests.jsonl there
   --threads N               tokio worker threads [1]
+  --stream-usage on|off     ask for usage in the stream's last chunk
+                            (stream_options.include_usage), as this harness needs for
+                            prompt and cached tokens; off sends streams as most clients do [on]
   --fleet-size N            workers in the fleet (for max/mean requests per worker) [seen]
   --ceiling-block N         after the run, the infinite-cache reuse ceiling: tokenize every
                             prompt sent as the mock worker does, hash N-token blocks (chained,
@@ -113,6 +116,7 @@ pub struct Args {
     pub label: String,
     pub out: Option<String>,
     pub threads: usize,
+    pub stream_usage: bool,
     pub trace: Option<String>,
     pub start: usize,
     pub count: usize,
@@ -161,6 +165,7 @@ fn parse_args() -> Result<Args, String> {
         label: String::new(),
         out: None,
         threads: 1,
+        stream_usage: true,
         trace: None,
         start: 0,
         count: usize::MAX,
@@ -231,6 +236,13 @@ fn parse_args() -> Result<Args, String> {
             "--label" => a.label = v,
             "--out" => a.out = Some(v),
             "--threads" => a.threads = num!(),
+            "--stream-usage" => {
+                a.stream_usage = match v.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(format!("--stream-usage: on or off, not {v:?}")),
+                }
+            }
             "--trace" => a.trace = Some(v),
             "--start" => a.start = num!(),
             "--count" => a.count = num!(),
@@ -424,6 +436,8 @@ pub struct Ctx {
     pub gaps: Mutex<Vec<(usize, Vec<f32>)>>,
     /// Every body sent (dispatch time, request index), for the reuse ceiling after the run.
     pub sent: Mutex<Vec<(f64, usize, Bytes)>>,
+    /// Ask for usage in streams (`--stream-usage`).
+    pub stream_usage: bool,
 }
 
 /// One request as the workloads describe it.
@@ -440,7 +454,12 @@ pub struct Job {
 }
 
 /// Sends one request (via the oracle if configured), records it, returns the outcome.
-pub async fn dispatch(ctx: &Arc<Ctx>, job: Job) -> Outcome {
+pub async fn dispatch(ctx: &Arc<Ctx>, mut job: Job) -> Outcome {
+    if !ctx.stream_usage {
+        if let Some(o) = job.body.as_object_mut() {
+            o.remove("stream_options");
+        }
+    }
     let t0 = Instant::now();
     let t_dispatch = t0.duration_since(ctx.start).as_secs_f64();
     let body = Bytes::from(serde_json::to_vec(&job.body).expect("json"));
@@ -610,6 +629,7 @@ async fn run(a: Args) -> i32 {
         records: Mutex::new(Vec::new()),
         gaps: Mutex::new(Vec::new()),
         sent: Mutex::new(Vec::new()),
+        stream_usage: a.stream_usage,
     });
     let res = match a.workload.as_str() {
         "mooncake" => match Mooncake::load(&a) {
