@@ -499,8 +499,7 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
     if policy in STEER_RR:
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"] = [steer_rr_filter([w.name for w in upstreams(cfg, ws)], STEER_RR[policy]),
-                               envoyconf.ROUTER]
+        hcm["http_filters"] = [steer_rr_filter([w["name"] for w in ws], STEER_RR[policy]), envoyconf.ROUTER]
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
         f.write(envoyconf.to_yaml(doc))
@@ -767,8 +766,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         live = []
         # CPU the router under test (Envoy, a peer router, the replicas' front) and the fleet
         # spend during the workload: on this 2-core machine it is taken from the others.
-        router_procs = [p for p in procs if all(p is not w["proc"] for w in ws)]
-        cpu0 = (proc_cpu_s(router_procs), proc_cpu_s([w["proc"] for w in ws]))
+        fleet_procs = [w["proc"] for w in ws]
+        router_procs = [p for p in procs if all(p is not w for w in fleet_procs)]
+        cpu0 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
             if use_relay:
                 # The streams' liveness sampled through the run, the least live gateway's (a
@@ -787,7 +787,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                     precise["stream_live_max"] = max(live) if live else None
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
-        cpu1 = (proc_cpu_s(router_procs), proc_cpu_s([w["proc"] for w in ws]))
+        cpu1 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
         for i, a in enumerate(admins):
             # Every Envoy stat at the end of the run (kvroute's route time, replication,
             # fallbacks...), for whoever reads the raw folder.
