@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Paired comparison of kvroute against a variant of its config, over several dev seeds.
+"""Paired comparison of kvroute against a variant of its config, over dev seeds or trace windows.
 
 Hit-rate differences between two kvroute settings are often the size of the run-to-run
 spread (about +-0.005 on these scenarios), so one run per setting decides nothing. This runs
 `kvroute` and `kvroute-tuned` (the default config merged with --tuned) on the same fleet for
-each seed, one scenario and load(s), and prints per-seed deltas with their mean and range.
+each seed (or window), one scenario and load(s), and prints the deltas of each with their mean
+and range.
 
-Only dev seeds: it refuses a scenario's held-out seed (tune on dev, report held-out).
+Only dev data: it refuses a scenario's held-out seed (tune on dev, report held-out). A trace
+scenario (Mooncake conversation) pairs over windows of the trace instead of seeds, each the
+dev slice's length, starting at --starts; a window overlapping the held-out slice is refused.
 
 Usage: bench/paired.py --scenario docqa --speeds 24 --tuned '{"scoring":{"copy_weight":2}}' \\
            --seeds 505,515,525 [--preset full]
-Results of the last seed stay in bench/results/dev-paired/ (not committed).
+       bench/paired.py --scenario conversation --speeds 24,32 --tuned '{...}' --starts 0,800,1200
+Results of the last seed or window stay in bench/results/dev-paired/ (not committed).
 """
 import argparse
 import json
@@ -40,28 +44,42 @@ def main():
     ap.add_argument("--scenario", required=True)
     ap.add_argument("--speeds", required=True, help="comma-separated loads")
     ap.add_argument("--tuned", required=True, help="JSON merged into the variant's plugin config")
-    ap.add_argument("--seeds", required=True, help="comma-separated dev seeds")
+    ap.add_argument("--seeds", help="comma-separated dev seeds (synthetic scenarios)")
+    ap.add_argument("--starts", help="comma-separated first requests of trace windows (trace scenarios)")
     ap.add_argument("--preset", default="full")
     a = ap.parse_args()
     sc = scenarios.SCENARIOS.get(a.scenario)
     if sc is None:
         sys.exit(f"unknown scenario {a.scenario}")
-    if sc.get("workload") != "synthetic":
-        sys.exit(f"{a.scenario} replays a trace slice: it has no seeds to pair over")
-    seeds = [int(s) for s in a.seeds.split(",")]
-    held = sc.get("heldout", {}).get("seed")
-    if held in seeds:
-        sys.exit(f"seed {held} is {a.scenario}'s held-out seed: tune on dev seeds only")
+    if sc.get("workload") == "synthetic":
+        if not a.seeds or a.starts:
+            sys.exit(f"{a.scenario} is synthetic: pair over --seeds")
+        seeds = [int(s) for s in a.seeds.split(",")]
+        held = sc.get("heldout", {}).get("seed")
+        if held in seeds:
+            sys.exit(f"seed {held} is {a.scenario}'s held-out seed: tune on dev seeds only")
+        runs = [(f"seed {x}", f"seed={x}") for x in seeds]
+    else:
+        if not a.starts or a.seeds:
+            sys.exit(f"{a.scenario} replays a trace: pair over --starts (trace windows)")
+        count = sc["dev"]["count"]
+        h0, hn = sc["heldout"]["start"], sc["heldout"]["count"]
+        runs = []
+        for x in (int(v) for v in a.starts.split(",")):
+            if x < h0 + hn and h0 < x + count:
+                sys.exit(f"window {x}..{x + count - 1} overlaps the held-out slice "
+                         f"{h0}..{h0 + hn - 1}: tune on dev windows only")
+            runs.append((f"start {x}", f"start={x}"))
     out = os.path.join(HERE, "results", NAME)
-    deltas = {}  # (load, metric) -> [delta per seed]
-    for seed in seeds:
+    deltas = {}  # (load, metric) -> [delta per seed or window]
+    for label_run, setting in runs:
         shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, os.path.join(HERE, "run.py"), "--preset", a.preset, "--scenario", a.scenario,
                "--split", "dev", "--speeds", a.speeds, "--policies", "kvroute,kvroute-tuned",
-               "--tuned", a.tuned, "--set", f"seed={seed}", "--no-goodput", "--no-overhead", "--name", NAME]
+               "--tuned", a.tuned, "--set", setting, "--no-goodput", "--no-overhead", "--name", NAME]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if p.returncode != 0:
-            sys.exit(f"seed {seed}: run.py failed\n{p.stdout[-3000:]}")
+            sys.exit(f"{label_run}: run.py failed\n{p.stdout[-3000:]}")
         with open(os.path.join(out, "results.json")) as f:
             pols = json.load(f)["scenarios"][a.scenario]["policies"]
         base, var = pols["kvroute"]["runs"], pols["kvroute-tuned"]["runs"]
@@ -75,8 +93,9 @@ def main():
                     continue
                 deltas.setdefault((load, label), []).append(v - b)
                 cells.append(f"{label} {b:.3f} -> {v:.3f}")
-            print(f"seed {seed} load {load}: " + ", ".join(cells), flush=True)
-    print(f"\n{a.scenario}, variant {a.tuned} minus default, {len(seeds)} seeds:")
+            print(f"{label_run} load {load}: " + ", ".join(cells), flush=True)
+    unit = "seeds" if sc.get("workload") == "synthetic" else "trace windows"
+    print(f"\n{a.scenario}, variant {a.tuned} minus default, {len(runs)} {unit}:")
     for (load, label), ds in sorted(deltas.items(), key=lambda kv: (float(kv[0][0]), kv[0][1])):
         fmt = next(f for lb, _, f in METRICS if lb == label)
         print(f"  load {load} {label:9}: mean {fmt.format(statistics.mean(ds))}"
