@@ -12,6 +12,7 @@ pub mod hashing;
 pub mod ids;
 pub mod index;
 pub mod load;
+pub mod picks;
 pub mod precise;
 pub mod prom;
 pub mod replication;

@@ -95,6 +95,9 @@ struct Active {
     prefill_start_ms: u64,
     prefill_dur_ms: u64,
     expires_ms: u64,
+    /// Charged from another thread's pick before its event arrived ([`crate::picks`]): the
+    /// event replaces it, or it is released at `expires_ms`.
+    provisional: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -151,6 +154,8 @@ pub struct LoadTable {
     params: LoadParams,
     workers: Vec<WorkerLoad>,
     active: HashMap<RequestId, Active>,
+    /// Ids charged provisionally, oldest first (most are replaced by their event).
+    provisional: Vec<RequestId>,
 }
 
 /// A read-only view of one worker's load at a point in time, for selection and metrics.
@@ -185,6 +190,7 @@ impl LoadTable {
                 })
                 .collect(),
             active: HashMap::new(),
+            provisional: Vec::new(),
         }
     }
 
@@ -197,8 +203,45 @@ impl LoadTable {
         self.active.contains_key(&id)
     }
 
-    /// Charges a routing decision. A duplicate id (a replayed event) is ignored.
+    /// Charges a routing decision. A duplicate id (a replayed event) is ignored; a
+    /// provisional charge of the same id is replaced.
     pub fn add(&mut self, r: &NewRequest) -> bool {
+        let counted = self.active.get(&r.id).is_some_and(|a| a.provisional);
+        if counted {
+            self.free(r.id);
+        }
+        self.charge(r, None, counted)
+    }
+
+    /// Charges another thread's pick until its event arrives ([`crate::picks`]): load and
+    /// the request's count, without blocks or writes (the event brings them), and
+    /// released at `until_ms` if no event replaced it by then.
+    pub fn add_provisional(&mut self, r: &NewRequest, until_ms: u64) -> bool {
+        let added = self.charge(r, Some(until_ms), false);
+        if added {
+            self.provisional.push(r.id);
+        }
+        added
+    }
+
+    /// Releases provisional charges past their time; returns how many.
+    pub fn expire_provisional(&mut self, now_ms: u64) -> usize {
+        let mut released = 0;
+        let ids = core::mem::take(&mut self.provisional);
+        for id in ids {
+            match self.active.get(&id) {
+                Some(a) if a.provisional && a.expires_ms <= now_ms => {
+                    self.free(id);
+                    released += 1;
+                }
+                Some(a) if a.provisional => self.provisional.push(id),
+                _ => {}
+            }
+        }
+        released
+    }
+
+    fn charge(&mut self, r: &NewRequest, provisional_until: Option<u64>, counted: bool) -> bool {
         let n = self.workers.len();
         let prefill_worker = r.prefill_worker.unwrap_or(r.worker);
         if usize::from(r.worker) >= n
@@ -243,19 +286,23 @@ impl LoadTable {
                 }
                 w.holders += 1;
             }
+            // A provisional charge counts the request in the worker's recent share at once
+            // (the share term sees the other thread's pick too) but no writes, which need
+            // the blocks; the event that replaces it counts only the writes.
+            let provisional = provisional_until.is_some();
             let decayed = decay(
                 w.fresh_blocks,
                 w.fresh_at_ms,
                 r.now_ms,
                 p.fresh_half_life_ms,
             );
-            w.fresh_blocks = decayed + fresh;
+            w.fresh_blocks = decayed + if provisional { 0.0 } else { fresh };
             w.recent_requests = decay(
                 w.recent_requests,
                 w.fresh_at_ms,
                 r.now_ms,
                 p.fresh_half_life_ms,
-            ) + 1.0;
+            ) + if counted { 0.0 } else { 1.0 };
             w.fresh_at_ms = w.fresh_at_ms.max(r.now_ms);
         }
         self.active.insert(
@@ -270,7 +317,9 @@ impl LoadTable {
                 prefill_pending: pending,
                 prefill_start_ms: start,
                 prefill_dur_ms: dur,
-                expires_ms: r.now_ms.saturating_add(p.request_ttl_ms),
+                expires_ms: provisional_until
+                    .unwrap_or_else(|| r.now_ms.saturating_add(p.request_ttl_ms)),
+                provisional: provisional_until.is_some(),
             },
         );
         true

@@ -11,6 +11,7 @@ use crate::hashing::{prompt_hashes_limited, token_prompt_hashes, HashParams};
 use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
+use crate::picks::{self, Pick};
 use crate::request::{parse, ApiKind, ParseError, Prompt};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
@@ -71,6 +72,22 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The decision as other threads charge it before its event reaches them.
+    pub fn pick(&self) -> Option<Pick> {
+        let Event::Routed(r) = &self.event else {
+            return None;
+        };
+        let hashed = u32::try_from(r.blocks.len()).unwrap_or(u32::MAX);
+        Some(Pick {
+            id: r.id,
+            worker: r.worker,
+            prefill_worker: r.prefill_worker,
+            prefill_tokens: r.prefill_tokens,
+            blocks: hashed.saturating_add(r.tail_blocks),
+            at_ms: r.now_ms,
+        })
+    }
+
     /// The prompt's block hashes: those its `Routed` event carries (one copy per request).
     pub fn hashes(&self) -> &[u64] {
         match &self.event {
@@ -223,6 +240,34 @@ impl Router {
 
     pub fn worker_view(&self, w: WorkerId, now_ms: u64) -> WorkerView {
         self.load.view(w, now_ms, self.cfg.busy.report_max_age_ms)
+    }
+
+    /// Charges, provisionally, what other threads picked moments ago and this one has not
+    /// heard of yet ([`crate::picks`]); call before routing. Returns how many were charged.
+    pub fn note_peer_picks(&mut self, picks: &[Pick], now_ms: u64) -> usize {
+        self.load.expire_provisional(now_ms);
+        let mut charged = 0;
+        for p in picks {
+            if p.id & !0xFFFF_FFFF == self.origin || !picks::fresh(p, now_ms) {
+                continue;
+            }
+            let r = NewRequest {
+                id: p.id,
+                worker: p.worker,
+                prefill_worker: p.prefill_worker,
+                blocks: Vec::new(),
+                cached_blocks: 0,
+                tail_blocks: p.blocks,
+                prefill_tokens: p.prefill_tokens,
+                now_ms: p.at_ms,
+            };
+            // Released just after the pick leaves the window, so it is never charged twice.
+            let until = p.at_ms.saturating_add(picks::WINDOW_MS + 1);
+            if self.load.add_provisional(&r, until) {
+                charged += 1;
+            }
+        }
+        charged
     }
 
     fn next_id(&mut self) -> RequestId {
@@ -914,6 +959,69 @@ mod tests {
         (0..bytes / 6)
             .map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)])
             .collect()
+    }
+
+    /// Two threads routing one burst: without the shared record each sees every worker
+    /// idle and their cold prompts pile onto the same workers; with it each charges the
+    /// other's picks and the burst spreads. The event that follows replaces the provisional
+    /// charge, and a charge whose event never came is released after the window.
+    #[test]
+    fn peer_picks_spread_a_burst_routed_on_two_threads() {
+        let extra = r#","disaggregation":{"threshold_tokens":0}"#;
+        let burst: Vec<Vec<u8>> = (0..4).map(|i| completion(&doc(40 + i, 20_000))).collect();
+        let workers_used = |share: bool| {
+            let mut a = Router::new(cfg(extra), 1, 7);
+            let mut b = Router::new(cfg(extra), 2, 7);
+            let mut record = picks::encode(&[]);
+            let mut used = Vec::new();
+            for (i, body) in burst.iter().enumerate() {
+                let r = if i % 2 == 0 { &mut a } else { &mut b };
+                if share {
+                    r.note_peer_picks(&picks::decode(&record), 10);
+                }
+                let d = routed(r.route(ApiKind::Completions, body, 10));
+                if let Some(p) = d.pick() {
+                    record = picks::merge(&record, p, 10);
+                }
+                used.push(d.decode);
+            }
+            used.sort_unstable();
+            used.dedup();
+            used.len()
+        };
+        assert_eq!(workers_used(true), 4);
+        // Same seeds, no record: each thread repeats the other's choices.
+        assert!(workers_used(false) < 4);
+
+        let mut a = Router::new(cfg(extra), 1, 7);
+        let mut b = Router::new(cfg(extra), 2, 9);
+        let d = routed(a.route(ApiKind::Completions, &burst[0], 10));
+        let pick = d.pick().expect("routed");
+        assert_eq!(b.note_peer_picks(&[pick], 10), 1);
+        assert_eq!(b.note_peer_picks(&[pick], 11), 0, "charged once");
+        assert_eq!(a.note_peer_picks(&[pick], 11), 0, "its own pick");
+        let provisional = b.load().totals();
+        assert_eq!(provisional.1, u64::from(pick.prefill_tokens));
+        b.apply(&d.event, 12);
+        assert_eq!(
+            b.load().totals(),
+            a.load().totals(),
+            "the event replaced it"
+        );
+        b.note_peer_picks(&[], 10 + picks::WINDOW_MS + 1);
+        assert_eq!(
+            b.load().totals(),
+            a.load().totals(),
+            "a real charge is not expired"
+        );
+
+        let mut c = Router::new(cfg(extra), 3, 9);
+        c.note_peer_picks(&[pick], 10);
+        assert_eq!(c.load().totals().0, 1);
+        assert_eq!(c.note_peer_picks(&[pick], 10 + picks::WINDOW_MS), 0);
+        assert_eq!(c.load().totals().0, 1, "still inside the window");
+        c.note_peer_picks(&[], 10 + picks::WINDOW_MS + 1);
+        assert_eq!(c.load().totals(), (0, 0, 0), "never replaced: released");
     }
 
     #[test]

@@ -118,6 +118,7 @@ impl Http {
         let now = t0 / 1_000_000;
         let outcome = self.with(|s| {
             s.start_serving();
+            s.read_peer_picks(now);
             let res = s.router.route_tokens(kind, body, tokens, now);
             s.metrics
                 .route_time_us
@@ -132,6 +133,7 @@ impl Http {
                         host.set_header(MapType::HttpRequestHeaders, name, Some(&value));
                     }
                     record_decision(s, &d);
+                    s.publish_pick(&d, now);
                     s.broadcast(std::slice::from_ref(&d.event));
                     s.defer_flush();
                     Some(d)

@@ -8,9 +8,10 @@ use crate::config::{Config, Role};
 use crate::events::{self, Event};
 use crate::feedback::OrcaLoad;
 use crate::ids::WorkerId;
+use crate::picks;
 use crate::prom;
 use crate::replication::{Replicator, SharedBus, Timing};
-use crate::router::Router;
+use crate::router::{Decision, Router};
 use crate::steer::Intercept;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 use std::rc::Rc;
@@ -31,6 +32,10 @@ const HOUSEKEEPING_MS: u64 = 250;
 /// The root's timer fires in a later pass, after the write, and peers still hear of a
 /// decision within milliseconds. (Measured on the benchmark, the gain is within noise.)
 const DEFER_MS: u64 = 1;
+
+/// Compare-and-swap attempts at adding a pick to the shared record (two threads rarely
+/// collide more than once: each holds Envoy's lock for a copy of under a kilobyte).
+const PICK_RETRIES: usize = 4;
 
 pub struct State {
     pub(super) host: Rc<Calls>,
@@ -56,6 +61,10 @@ pub struct State {
     poller: Poller,
     pub(super) relay: RelayStream,
     pub(super) plugin_name: String,
+    /// Shared-data key of the other threads' recent picks ([`crate::picks`]), and the
+    /// record as last read, with its CAS token (the write after routing starts from it).
+    picks_key: String,
+    picks_seen: (Vec<u8>, Option<u32>),
 }
 
 /// Scrapes of the engines' Prometheus endpoints (config `metrics`). One VM of the process
@@ -184,7 +193,49 @@ impl State {
                 ..Poller::default()
             },
             relay: RelayStream::new(ns),
+            picks_key: format!("{ns}/picks"),
+            picks_seen: (Vec::new(), None),
             plugin_name: ns.split('@').next().unwrap_or("kvroute").to_string(),
+        }
+    }
+
+    /// Whether other routing threads exist whose picks this one must see at once.
+    fn shares_picks(&self) -> bool {
+        self.repl.as_ref().is_some_and(|r| r.peers() > 0)
+    }
+
+    /// Before routing: charges what the other threads picked in the last moments and this
+    /// one has not heard of yet (their events leave with the deferred-work timer).
+    pub fn read_peer_picks(&mut self, now_ms: u64) {
+        if !self.shares_picks() {
+            return;
+        }
+        let (bytes, cas) = self.bus.get(&self.picks_key);
+        let bytes = bytes.unwrap_or_default();
+        let n = self.router.note_peer_picks(&picks::decode(&bytes), now_ms);
+        self.metrics.peer_picks.add(n as u64);
+        self.picks_seen = (bytes, cas);
+    }
+
+    /// After routing: adds this decision to the shared record. A write that loses the
+    /// compare-and-swap to another thread's re-reads and retries a few times; one that still
+    /// loses only leaves the others to learn of the pick from its event.
+    pub fn publish_pick(&mut self, d: &Decision, now_ms: u64) {
+        if !self.shares_picks() {
+            return;
+        }
+        let Some(pick) = d.pick() else { return };
+        let (mut bytes, mut cas) = core::mem::take(&mut self.picks_seen);
+        for _ in 0..PICK_RETRIES {
+            if self
+                .bus
+                .set(&self.picks_key, &picks::merge(&bytes, pick, now_ms), cas)
+            {
+                return;
+            }
+            let (b, c) = self.bus.get(&self.picks_key);
+            bytes = b.unwrap_or_default();
+            cas = c;
         }
     }
 
