@@ -859,6 +859,9 @@ impl Router {
     /// Periodic housekeeping: lost requests and stale index entries.
     pub fn tick(&mut self, now_ms: u64) -> (usize, usize) {
         self.flush();
+        // Another thread's pick whose event came before the pick was read (the request
+        // already ended) is charged until its window ends; releasing it is no lost request.
+        self.load.expire_provisional(now_ms);
         let lost = self.load.expire(now_ms);
         // A confirmation or end that never arrived (lost with its VM).
         self.speculative
@@ -1022,6 +1025,10 @@ mod tests {
         assert_eq!(c.load().totals().0, 1, "still inside the window");
         c.note_peer_picks(&[], 10 + picks::WINDOW_MS + 1);
         assert_eq!(c.load().totals(), (0, 0, 0), "never replaced: released");
+        // With no request to route, housekeeping releases it, and not as a lost request.
+        c.note_peer_picks(&[pick], 10);
+        assert_eq!(c.tick(10 + picks::WINDOW_MS + 1).0, 0);
+        assert_eq!(c.load().totals(), (0, 0, 0));
     }
 
     #[test]
