@@ -101,7 +101,7 @@ mod tests {
         Pick {
             id,
             worker: 3,
-            prefill_worker: (id % 2 == 0).then_some(7),
+            prefill_worker: id.is_multiple_of(2).then_some(7),
             prefill_tokens: 30_000,
             blocks: 2_004,
             at_ms,

@@ -989,6 +989,34 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
 }
 
 #[test]
+fn a_thread_charges_the_others_picks_before_their_events_arrive() {
+    let (_bus, a, b) = two_vms(NO_DISAGG);
+    for vm in [&a, &b] {
+        vm.state.borrow_mut().on_timer();
+        vm.state.borrow_mut().start_serving();
+    }
+    // Two requests of one burst, one on each thread, before either event left.
+    let (_ha, _) = a.post("the first of a burst");
+    assert_eq!(a.counter("kvroute.replication.sent.total"), 0);
+    let (_hb, _) = b.post("the second of a burst");
+    assert_eq!(b.inflight(), 2, "b charged a's pick from the shared record");
+    assert_eq!(b.counter("kvroute.replication.peer_picks.total"), 1);
+    // The events arrive: a's replaces b's provisional charge instead of doubling it.
+    for vm in [&a, &b] {
+        vm.f().now_ns += 1_000_000;
+        vm.state.borrow_mut().on_timer();
+    }
+    for vm in [&a, &b] {
+        vm.state.borrow_mut().drain();
+    }
+    assert_eq!((a.inflight(), b.inflight()), (2, 2));
+    // A single VM (no peer) never touches the record.
+    let solo = Vm::new(NO_DISAGG);
+    let (_h, _) = solo.post("alone");
+    assert_eq!(solo.counter("kvroute.replication.peer_picks.total"), 0);
+}
+
+#[test]
 fn a_host_that_refuses_the_short_timer_gets_a_queue_wake_up() {
     let (bus, a, _b) = two_vms(NO_DISAGG);
     a.state.borrow_mut().on_timer();
