@@ -8,7 +8,8 @@
 use crate::config::Config;
 use crate::ids::{KeyedState, RequestId, WorkerId};
 use hashbrown::hash_map::Entry;
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
+use std::collections::VecDeque;
 
 /// What a worker told us about itself (ORCA `endpoint-load-metrics`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -156,7 +157,16 @@ pub struct LoadTable {
     active: HashMap<RequestId, Active>,
     /// Ids charged provisionally, oldest first (most are replaced by their event).
     provisional: Vec<RequestId>,
+    /// The last requests that ended, oldest first: a pick read after its request's whole
+    /// life was replicated here must not be charged again (a phantom in-flight request
+    /// would make a quiet worker look busy and push a session off its cache).
+    ended: VecDeque<RequestId>,
+    ended_set: HashSet<RequestId, KeyedState>,
 }
+
+/// Ended requests remembered against phantom provisional charges: more than end within a
+/// pick's window at thousands of requests per second.
+const ENDED_KEPT: usize = 1024;
 
 /// A read-only view of one worker's load at a point in time, for selection and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -191,6 +201,8 @@ impl LoadTable {
                 .collect(),
             active: HashMap::new(),
             provisional: Vec::new(),
+            ended: VecDeque::new(),
+            ended_set: HashSet::with_hasher(KeyedState(params.hash_key)),
         }
     }
 
@@ -247,6 +259,7 @@ impl LoadTable {
         if usize::from(r.worker) >= n
             || usize::from(prefill_worker) >= n
             || self.active.contains_key(&r.id)
+            || (provisional_until.is_some() && self.ended_set.contains(&r.id))
         {
             return false;
         }
@@ -356,6 +369,14 @@ impl LoadTable {
         let Some(a) = self.active.remove(&id) else {
             return false;
         };
+        if !a.provisional && self.ended_set.insert(id) {
+            self.ended.push_back(id);
+            if self.ended.len() > ENDED_KEPT {
+                if let Some(old) = self.ended.pop_front() {
+                    self.ended_set.remove(&old);
+                }
+            }
+        }
         if a.prefill_pending {
             // What `prefill_done` does, except charging the rest of the blocks only to release
             // them right away.

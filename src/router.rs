@@ -1025,6 +1025,20 @@ mod tests {
         assert_eq!(c.load().totals().0, 1, "still inside the window");
         c.note_peer_picks(&[], 10 + picks::WINDOW_MS + 1);
         assert_eq!(c.load().totals(), (0, 0, 0), "never replaced: released");
+        // A pick read after its request's whole life reached this thread is not charged:
+        // a phantom in flight would make a quiet worker look busy (e2e: a session's
+        // sequential turns on two threads then left their worker).
+        let mut e = Router::new(cfg(extra), 4, 9);
+        let mut evs = vec![d.event.clone()];
+        evs.extend(a.on_first_byte(&d, true, 15));
+        evs.extend(a.on_confirmed(&d, true, 16));
+        evs.push(a.on_finish(&d, 20));
+        for ev in &evs {
+            e.apply(ev, 21);
+        }
+        assert_eq!(e.load().totals(), (0, 0, 0));
+        assert_eq!(e.note_peer_picks(&[pick], 30), 0);
+        assert_eq!(e.load().totals(), (0, 0, 0));
         // With no request to route, housekeeping releases it, and not as a lost request.
         c.note_peer_picks(&[pick], 10);
         assert_eq!(c.tick(10 + picks::WINDOW_MS + 1).0, 0);
