@@ -30,7 +30,8 @@ import scenarios  # noqa: E402
 
 NAME = "dev-paired"
 METRICS = [("hit", "hit_rate", "{:+.4f}"), ("ttft p50", ("ttft_sim_s", "p50"), "{:+.3f}"),
-           ("ttft p90", ("ttft_sim_s", "p90"), "{:+.3f}"), ("max/mean", "max_over_mean_requests", "{:+.2f}")]
+           ("ttft p90", ("ttft_sim_s", "p90"), "{:+.3f}"), ("max/mean", "max_over_mean_requests", "{:+.2f}"),
+           ("tpot p90", ("tpot_sim_s", "p90"), "{:+.4f}")]
 
 
 def metric(run, key):

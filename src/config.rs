@@ -183,6 +183,11 @@ pub struct ScoringConfig {
     /// decode step attends over each request's whole context, so a worker decoding many long
     /// requests is slower for the next one even when they share a prefix in memory.
     pub decode_weight: f64,
+    /// Extra weight on recomputed prefill per request decoding on the worker: with chunked
+    /// prefill every pass that carries prefill tokens is also a decode step of each stream
+    /// there, so a prefill placed among many decoding streams slows all of them (TPOT).
+    /// 0 disables.
+    pub decode_interference: f64,
     /// Weight of writing again blocks another worker already holds, times the writer's cache
     /// pressure: under eviction pressure a duplicate pushes out content no one else holds.
     pub duplicate_weight: f64,
@@ -225,6 +230,7 @@ impl Default for ScoringConfig {
             recompute_weight_max: 8.0,
             recompute_weight_min: 2.0,
             decode_weight: 0.05,
+            decode_interference: 0.0,
             duplicate_weight: 4.0,
             copy_weight: 4.0,
             kv_watermark: 0.9,
@@ -599,6 +605,7 @@ impl Config {
             ("scoring.recompute_weight_max", s.recompute_weight_max),
             ("scoring.recompute_weight_min", s.recompute_weight_min),
             ("scoring.decode_weight", s.decode_weight),
+            ("scoring.decode_interference", s.decode_interference),
             ("scoring.duplicate_weight", s.duplicate_weight),
             ("scoring.copy_weight", s.copy_weight),
             ("scoring.request_ratio_weight", s.request_ratio_weight),

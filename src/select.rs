@@ -10,6 +10,8 @@
 //!   duplicate = s * blocks confirmed cached on another worker but not here
 //!                 * (copy_weight + duplicate_weight * indexed blocks / kv_blocks)
 //!   decode    = decode_weight * (in-flight context blocks + the request's blocks)
+//!   interfere = s * decode_interference * requests in flight on the worker
+//!                 * (uncached + request overhead / block_size)
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
@@ -26,7 +28,11 @@
 //! it is cached, spilling only to a worker with room to recompute it. Into a full cache a copy
 //! of a prefix held elsewhere also pushes out content no one else holds (duplicate), which
 //! partitions the working set under eviction pressure. Decode work (per request, not per
-//! shared block) is what spreads a burst of identical cached requests. Request share is what
+//! shared block) is what spreads a burst of identical cached requests. Each prefill placed on a worker
+//! is also a pass every stream there waits out (chunked prefill); the interference term
+//! (off by default) prices that: it lowers TPOT near saturation, but past it the long
+//! prompts it moves off busy workers leave the short ones to pile onto whichever worker
+//! stays cheap for them (README, tried and not kept). Request share is what
 //! keeps a Zipf-hot prefix family from making one worker a hot spot while nothing is queued.
 
 use crate::config::Config;
@@ -46,6 +52,7 @@ pub struct SelectParams {
     pub recompute_weight_max: f64,
     pub recompute_weight_min: f64,
     pub decode_weight: f64,
+    pub decode_interference: f64,
     pub kv_watermark: f64,
     pub duplicate_weight: f64,
     pub copy_weight: f64,
@@ -134,6 +141,7 @@ impl SelectParams {
             recompute_weight_max: cfg.scoring.recompute_weight_max,
             recompute_weight_min: cfg.scoring.recompute_weight_min,
             decode_weight: cfg.scoring.decode_weight,
+            decode_interference: cfg.scoring.decode_interference,
             kv_watermark: cfg.scoring.kv_watermark,
             duplicate_weight: cfg.scoring.duplicate_weight,
             copy_weight: cfg.scoring.copy_weight,
@@ -245,6 +253,8 @@ pub struct CostTerms {
     /// Copies of blocks another worker holds, written into a full cache, scaled.
     pub duplicate: f64,
     pub decode: f64,
+    /// What this request's prefill passes cost the streams decoding on `c`, scaled.
+    pub interference: f64,
     pub memory: f64,
     pub balance: f64,
     /// The request-share (hot spot) term.
@@ -257,6 +267,7 @@ impl CostTerms {
             + self.recompute
             + self.duplicate
             + self.decode
+            + self.interference
             + self.memory
             + self.balance
             + self.share
@@ -302,6 +313,17 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
             .min(r.prompt_tokens)
             .saturating_sub(c.overlap_tokens),
     ) / bs;
+    // With chunked prefill each pass that carries this request's prefill is also a decode
+    // step of every stream on `c`: those decoding now, and those queued ahead of it, which
+    // will be decoding by then, all wait it out (TPOT). Counting only the streams decoding
+    // now would make a worker whose requests all queue look free of interference. A fully
+    // cached request still costs a pass (its fixed overhead).
+    let streams = f64::from(c.load.inflight);
+    let interference = if p.decode_interference > 0.0 {
+        p.decode_interference * streams * (uncached + p.request_overhead_tokens / bs)
+    } else {
+        0.0
+    };
     let s = p.prefill_load_scale;
     CostTerms {
         prefill: s * prefill,
@@ -309,6 +331,7 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
         recompute: s * (recompute_factor(p, c, pool.waiting) * uncached),
         duplicate: s * (duplicate * (p.copy_weight + p.duplicate_weight * fullness)),
         decode,
+        interference: s * interference,
         memory,
         balance: p.cache_balance * written * pressure,
         // A worker taking far more than its share of requests is a hot spot whatever its
@@ -927,6 +950,50 @@ mod tests {
         );
         let deep = [cand(0, 100, queued(16_000.0)), cand(1, 0, idle())];
         assert_eq!(picked(pick(&p, &deep, &r, &mut Rng::new(1))).id, 1);
+    }
+
+    /// Streams on a worker wait out every pass that carries a prefill (chunked prefill): a
+    /// cold prompt goes where fewer of them run, all else equal, and a fully cached one still
+    /// pays for its pass.
+    #[test]
+    fn prefill_avoids_workers_with_many_decoding_streams() {
+        let p = SelectParams {
+            cache_balance: 0.0,
+            decode_interference: 0.25,
+            ..SelectParams::default()
+        };
+        let decoding = |n: u32| WorkerView {
+            inflight: n,
+            ..idle()
+        };
+        let r = shape(1600);
+        let many = cand(0, 0, decoding(20));
+        let few = cand(1, 0, decoding(2));
+        for seed in 0..10 {
+            assert_eq!(
+                picked(pick(&p, &[many, few], &r, &mut Rng::new(seed))).id,
+                1
+            );
+        }
+        let pool = Pool::of(&[many, few]);
+        let overhead = p.request_overhead_tokens / 16.0;
+        let want = p.decode_interference * 20.0 * (100.0 + overhead);
+        assert!(want > 0.0);
+        assert!((terms(&p, &many, &r, &pool).interference - want).abs() < 1e-9);
+        // Requests queued ahead of it will be decoding when its prefill runs: they count.
+        let waiting = WorkerView {
+            inflight: 20,
+            prefilling: 20,
+            ..idle()
+        };
+        assert!((terms(&p, &cand(0, 0, waiting), &r, &pool).interference - want).abs() < 1e-9);
+        let cached = terms(&p, &cand(0, 100, decoding(20)), &r, &pool).interference;
+        assert!((cached - p.decode_interference * 20.0 * overhead).abs() < 1e-9);
+        let off = SelectParams {
+            decode_interference: 0.0,
+            ..p
+        };
+        assert_eq!(terms(&off, &many, &r, &pool).interference, 0.0);
     }
 
     /// Above the watermark every further block held costs a block of prefill.

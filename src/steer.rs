@@ -230,6 +230,7 @@ fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
             ("recompute", t.recompute),
             ("duplicate", t.duplicate),
             ("decode", t.decode),
+            ("interference", t.interference),
             ("memory", t.memory),
             ("balance", t.balance),
             ("share", t.share),
