@@ -183,10 +183,10 @@ pub struct ScoringConfig {
     /// decode step attends over each request's whole context, so a worker decoding many long
     /// requests is slower for the next one even when they share a prefix in memory.
     pub decode_weight: f64,
-    /// Extra weight on recomputed prefill per request decoding on the worker: with chunked
-    /// prefill every pass that carries prefill tokens is also a decode step of each stream
-    /// there, so a prefill placed among many decoding streams slows all of them (TPOT).
-    /// 0 disables.
+    /// Weight of a request's prefill (uncached blocks plus its fixed overhead) per request in
+    /// flight on the worker: with chunked prefill every pass that carries prefill tokens is
+    /// also a decode step of each stream there, so a prefill placed among many streams slows
+    /// all of them (TPOT). 0 (the default) disables.
     pub decode_interference: f64,
     /// Weight of writing again blocks another worker already holds, times the writer's cache
     /// pressure: under eviction pressure a duplicate pushes out content no one else holds.

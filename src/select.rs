@@ -253,7 +253,7 @@ pub struct CostTerms {
     /// Copies of blocks another worker holds, written into a full cache, scaled.
     pub duplicate: f64,
     pub decode: f64,
-    /// What this request's prefill passes cost the streams decoding on `c`, scaled.
+    /// What this request's prefill passes cost the streams on `c`, scaled.
     pub interference: f64,
     pub memory: f64,
     pub balance: f64,
@@ -319,11 +319,8 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
     // now would make a worker whose requests all queue look free of interference. A fully
     // cached request still costs a pass (its fixed overhead).
     let streams = f64::from(c.load.inflight);
-    let interference = if p.decode_interference > 0.0 {
-        p.decode_interference * streams * (uncached + p.request_overhead_tokens / bs)
-    } else {
-        0.0
-    };
+    let interference =
+        p.decode_interference * streams * (uncached + p.request_overhead_tokens / bs);
     let s = p.prefill_load_scale;
     CostTerms {
         prefill: s * prefill,
