@@ -186,7 +186,7 @@ pub struct ScoringConfig {
     /// Weight of a request's prefill (uncached blocks plus its fixed overhead) per request in
     /// flight on the worker: with chunked prefill every pass that carries prefill tokens is
     /// also a decode step of each stream there, so a prefill placed among many streams slows
-    /// all of them (TPOT). 0 (the default) disables.
+    /// all of them (TPOT). 0 disables.
     pub decode_interference: f64,
     /// Weight of writing again blocks another worker already holds, times the writer's cache
     /// pressure: under eviction pressure a duplicate pushes out content no one else holds.
@@ -215,6 +215,12 @@ pub struct ScoringConfig {
     /// weight; a family bringing less is shed in proportion: moving a bystander costs the
     /// same copy and relieves the worker of little. 0 sheds every request alike.
     pub request_ratio_family: f64,
+    /// Share of recent requests a worker may reach while the fleet is saturated (the median
+    /// worker has prefill waiting), where the request-share term above otherwise rests;
+    /// beyond it every request is shed alike. It bounds the short cached requests that
+    /// `decode_interference` leaves to pile onto one worker. 0 leaves saturated fleets to the
+    /// queues.
+    pub request_ratio_saturated: f64,
 }
 
 impl Default for ScoringConfig {
@@ -230,7 +236,7 @@ impl Default for ScoringConfig {
             recompute_weight_max: 8.0,
             recompute_weight_min: 2.0,
             decode_weight: 0.05,
-            decode_interference: 0.0,
+            decode_interference: 0.12,
             duplicate_weight: 4.0,
             copy_weight: 4.0,
             kv_watermark: 0.9,
@@ -239,6 +245,7 @@ impl Default for ScoringConfig {
             request_ratio_slack: 4.0,
             request_ratio_min_inflight: 2,
             request_ratio_family: 0.25,
+            request_ratio_saturated: 1.3,
         }
     }
 }
@@ -616,6 +623,14 @@ impl Config {
             }
         }
         // Below 1 every worker would be over it at once; 0 is the documented off switch.
+        if !(s.request_ratio_saturated.is_finite()
+            && (s.request_ratio_saturated == 0.0 || s.request_ratio_saturated >= 1.0))
+        {
+            return Err(err(
+                "scoring.request_ratio_saturated",
+                "must be 0 (off) or at least 1",
+            ));
+        }
         if !(s.request_ratio.is_finite() && (s.request_ratio == 0.0 || s.request_ratio >= 1.0)) {
             return Err(err(
                 "scoring.request_ratio",

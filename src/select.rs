@@ -19,7 +19,9 @@
 //!                 * max(0, share - request_ratio)), share = the worker's recent requests
 //!                 (less a slack) over the pool's mean, focus = min(1, family share /
 //!                 request_ratio_family) where the worker holds the request's family, at
-//!                 least (share - request_ratio) / (request_ratio - 1)
+//!                 least (share - request_ratio) / (request_ratio - 1); in a saturated fleet
+//!                 (the median worker has prefill waiting) instead
+//!                 s * prompt blocks * request_ratio_weight * max(0, share - request_ratio_saturated)
 //! At low load the cost is the wait for the first token plus what recomputing costs everyone
 //! else (recompute_weight_min: recomputed tokens share the worker's batches, and a copy
 //! duplicates cache the fleet has; copy_weight: a copy of a cached prefix is a lost hit), so
@@ -30,10 +32,10 @@
 //! partitions the working set under eviction pressure. Decode work (per request, not per
 //! shared block) is what spreads a burst of identical cached requests. Each prefill placed on a worker
 //! is also a pass every stream there waits out (chunked prefill); the interference term
-//! (off by default) prices that: it lowers TPOT near saturation, but past it the long
-//! prompts it moves off busy workers leave the short ones to pile onto whichever worker
-//! stays cheap for them (README, tried and not kept). Request share is what
-//! keeps a Zipf-hot prefix family from making one worker a hot spot while nothing is queued.
+//! prices that, which lowers TPOT near saturation. Past saturation the long prompts it moves
+//! off busy workers leave the short ones to pile onto whichever worker stays cheap for them,
+//! so there the share term stays on with a looser ratio. Request share is what keeps a
+//! Zipf-hot prefix family from making one worker a hot spot.
 
 use crate::config::Config;
 use crate::ids::WorkerId;
@@ -61,6 +63,7 @@ pub struct SelectParams {
     pub request_ratio_slack: f64,
     pub request_ratio_min_inflight: u32,
     pub request_ratio_family: f64,
+    pub request_ratio_saturated: f64,
     /// Prefill tokens one waiting request's fixed overhead is worth
     /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
     pub request_overhead_tokens: f64,
@@ -150,6 +153,7 @@ impl SelectParams {
             request_ratio_slack: cfg.scoring.request_ratio_slack,
             request_ratio_min_inflight: cfg.scoring.request_ratio_min_inflight,
             request_ratio_family: cfg.scoring.request_ratio_family,
+            request_ratio_saturated: cfg.scoring.request_ratio_saturated,
             request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
                 * cfg.load.prefill_tokens_per_s
                 / 1000.0,
@@ -227,9 +231,10 @@ pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64
     // requests then say nothing the queues do not say better.
     // And once the median worker has prefill waiting the fleet is saturated: every queue
     // is priced by the wait and recompute terms, and a share of requests counts long and
-    // short prompts alike, so it would only move requests away from their caches.
+    // short prompts alike, so the usual ratio would only move requests away from their
+    // caches; only a looser cap (`request_ratio_saturated`, see `hot_spot`) holds there.
     if p.request_ratio <= 0.0
-        || pool.waiting > 0
+        || (pool.waiting > 0 && p.request_ratio_saturated <= 0.0)
         || c.load.inflight < p.request_ratio_min_inflight
         || f64::from(c.load.inflight) <= pool.mean_inflight
     {
@@ -348,6 +353,14 @@ fn hot_spot(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     let Some(share) = request_share(p, c, pool) else {
         return 0.0;
     };
+    let bs = f64::from(p.block_size.max(1));
+    let prompt = (f64::from(r.prompt_tokens) / bs).max(1.0);
+    if pool.waiting > 0 {
+        // Saturated: the queues price every worker, and only a worker far past its share
+        // (request_ratio_saturated) is a hot spot, for every request alike.
+        let excess = p.request_ratio_weight * (share - p.request_ratio_saturated).max(0.0);
+        return p.prefill_load_scale * (excess * prompt);
+    }
     let excess =
         (share - 1.0).max(0.0) + p.request_ratio_weight * (share - p.request_ratio).max(0.0);
     if excess <= 0.0 {
@@ -370,8 +383,7 @@ fn hot_spot(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     if focus <= 0.0 {
         return 0.0;
     }
-    let bs = f64::from(p.block_size.max(1));
-    p.prefill_load_scale * (focus * (excess * (f64::from(r.prompt_tokens) / bs).max(1.0)))
+    p.prefill_load_scale * (focus * (excess * prompt))
 }
 
 fn is_busy(p: &SelectParams, c: &Candidate) -> bool {
@@ -1199,10 +1211,11 @@ mod tests {
     }
 
     /// Once the median worker has prefill waiting the fleet is saturated and the queues price
-    /// every worker; the share term stays out (Mooncake conversation at speed 32, dev: TTFT
-    /// p50 worse than with the term off in 5 of 5 runs while it counted there).
+    /// every worker: the share term counts only past `request_ratio_saturated`, for every
+    /// request alike, and not at all with it 0 (Mooncake conversation at speed 32, dev: TTFT
+    /// p50 worse than with the term off in 5 of 5 runs while the usual ratio counted there).
     #[test]
-    fn request_share_stays_out_of_a_saturated_fleet() {
+    fn a_saturated_fleet_caps_request_share_only_far_past_the_mean() {
         let p = SelectParams::default();
         let w = |recent: f64, inflight: u32, prefilling: u32| WorkerView {
             recent_requests: recent,
@@ -1210,14 +1223,38 @@ mod tests {
             prefilling,
             ..idle()
         };
-        let hot = cand(0, 0, w(100.0, 12, 0));
-        let calm = [cand(1, 0, w(20.0, 3, 0)), cand(2, 0, w(20.0, 3, 0))];
-        let pool = Pool::of(&[hot, calm[0], calm[1]]);
-        assert!(request_share(&p, &hot, &pool).is_some());
-        let queued = [cand(1, 0, w(20.0, 3, 2)), cand(2, 0, w(20.0, 3, 1))];
-        let pool = Pool::of(&[hot, queued[0], queued[1]]);
+        let share_cost = |p: &SelectParams, hot: Candidate, prefilling: u32| {
+            let calm = [
+                cand(1, 0, w(20.0, 3, prefilling)),
+                cand(2, 0, w(20.0, 3, prefilling)),
+            ];
+            let pool = Pool::of(&[hot, calm[0], calm[1]]);
+            assert_eq!(pool.waiting, prefilling);
+            terms(p, &hot, &shape(1600), &pool).share
+        };
+        // Twice the mean is a hot spot either way, for a bystander's request too.
+        let hot = Candidate {
+            family_share: Some(0.01),
+            ..cand(0, 100, w(100.0, 12, 0))
+        };
+        assert!(share_cost(&p, hot, 0) > 0.0);
+        assert!(share_cost(&p, hot, 1) > 0.0);
+        // Within the saturated ratio nothing is charged: mean (40 + 30 + 30) / 3, share
+        // (40 - 4 slack) / 33.3 = 1.08.
+        let mild = cand(0, 100, w(40.0, 12, 0));
+        let calm = [cand(1, 0, w(30.0, 3, 1)), cand(2, 0, w(30.0, 3, 1))];
+        let pool = Pool::of(&[mild, calm[0], calm[1]]);
         assert_eq!(pool.waiting, 1);
-        assert_eq!(request_share(&p, &hot, &pool), None);
+        assert!(request_share(&p, &mild, &pool).is_some());
+        assert_eq!(terms(&p, &mild, &shape(1600), &pool).share, 0.0);
+        // Off: a saturated fleet is left to the queues.
+        let off = SelectParams {
+            request_ratio_saturated: 0.0,
+            ..p
+        };
+        assert_eq!(share_cost(&off, hot, 1), 0.0);
+        let hot_pool = Pool::of(&[hot, cand(1, 0, w(20.0, 3, 2)), cand(2, 0, w(20.0, 3, 1))]);
+        assert_eq!(request_share(&off, &hot, &hot_pool), None);
     }
 
     #[test]
