@@ -623,19 +623,13 @@ impl Config {
             }
         }
         // Below 1 every worker would be over it at once; 0 is the documented off switch.
-        if !(s.request_ratio_saturated.is_finite()
-            && (s.request_ratio_saturated == 0.0 || s.request_ratio_saturated >= 1.0))
-        {
-            return Err(err(
-                "scoring.request_ratio_saturated",
-                "must be 0 (off) or at least 1",
-            ));
-        }
-        if !(s.request_ratio.is_finite() && (s.request_ratio == 0.0 || s.request_ratio >= 1.0)) {
-            return Err(err(
-                "scoring.request_ratio",
-                "must be 0 (off) or at least 1",
-            ));
+        for (name, v) in [
+            ("scoring.request_ratio", s.request_ratio),
+            ("scoring.request_ratio_saturated", s.request_ratio_saturated),
+        ] {
+            if !(v.is_finite() && (v == 0.0 || v >= 1.0)) {
+                return Err(err(name, "must be 0 (off) or at least 1"));
+            }
         }
         if !(s.request_ratio_family.is_finite() && (0.0..=1.0).contains(&s.request_ratio_family)) {
             return Err(err(
@@ -802,6 +796,10 @@ mod tests {
             (
                 r#"{"workers":[{"name":"a"}],"scoring":{"temperature":-1}}"#,
                 "scoring.temperature",
+            ),
+            (
+                r#"{"workers":[{"name":"a"}],"scoring":{"request_ratio_saturated":0.5}}"#,
+                "scoring.request_ratio_saturated",
             ),
             (
                 r#"{"workers":[{"name":"a"}],"scoring":{"request_ratio_family":1.5}}"#,
