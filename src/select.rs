@@ -21,7 +21,8 @@
 //!                 request_ratio_family) where the worker holds the request's family, at
 //!                 least (share - request_ratio) / (request_ratio - 1); in a saturated fleet
 //!                 (the median worker has prefill waiting) instead
-//!                 s * prompt blocks * request_ratio_weight * max(0, share - request_ratio_saturated)
+//!                 s * mean blocks per request in flight * request_ratio_weight
+//!                   * max(0, share - request_ratio_saturated), whatever the worker's in-flight
 //! At low load the cost is the wait for the first token plus what recomputing costs everyone
 //! else (recompute_weight_min: recomputed tokens share the worker's batches, and a copy
 //! duplicates cache the fleet has; copy_weight: a copy of a cached prefix is a lost hit), so
@@ -177,6 +178,9 @@ pub struct Pool {
     pub mean_recent: f64,
     /// Requests in flight per healthy worker, on average.
     pub mean_inflight: f64,
+    /// Context blocks per request in flight across the healthy workers, on average (0 with
+    /// nothing in flight): what one more request weighs on a worker, whatever its size.
+    pub mean_request_blocks: f64,
 }
 
 impl Pool {
@@ -194,11 +198,12 @@ impl Pool {
             w.get(mid).copied().unwrap_or(0)
         };
         let healthy = cands.iter().filter(|c| c.load.healthy);
-        let (n, sum, inflight) = healthy.fold((0u32, 0.0, 0.0), |(n, s, f), c| {
+        let (n, sum, inflight, context) = healthy.fold((0u32, 0.0, 0.0, 0.0), |(n, s, f, b), c| {
             (
                 n + 1,
                 s + c.load.recent_requests,
                 f + f64::from(c.load.inflight),
+                b + c.load.context_blocks as f64,
             )
         });
         Pool {
@@ -206,6 +211,11 @@ impl Pool {
             best_confirmed_tokens: cands.iter().map(|c| c.confirmed_tokens).max().unwrap_or(0),
             mean_recent: if n == 0 { 0.0 } else { sum / f64::from(n) },
             mean_inflight: if n == 0 { 0.0 } else { inflight / f64::from(n) },
+            mean_request_blocks: if inflight > 0.0 {
+                context / inflight
+            } else {
+                0.0
+            },
         }
     }
 }
@@ -221,22 +231,25 @@ pub fn recompute_factor(p: &SelectParams, c: &Candidate, fleet: u32) -> f64 {
 }
 
 /// `c`'s recent requests in units of the pool's mean, less `request_ratio_slack` requests
-/// (the first requests of a run say little about shares); `None` when the term is off or
-/// `c` has fewer than `request_ratio_min_inflight` requests in flight.
+/// (the first requests of a run say little about shares); `None` when the term is off, `c`
+/// has fewer than `request_ratio_min_inflight` requests in flight, or (below saturation) no
+/// more than the pool's average.
 pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64> {
     // A worker with (almost) nothing in flight is idle when the request lands, however many
     // came before: no hot spot, and a quiet fleet's sequential requests keep their worker.
-    // Nor is one with no more in flight than the average worker: under overload requests
-    // differ in size, and a worker that took many short ones is not the busy one; shares of
-    // requests then say nothing the queues do not say better.
-    // And once the median worker has prefill waiting the fleet is saturated: every queue
-    // is priced by the wait and recompute terms, and a share of requests counts long and
-    // short prompts alike, so the usual ratio would only move requests away from their
-    // caches; only a looser cap (`request_ratio_saturated`, see `hot_spot`) holds there.
+    // Below saturation nor is one with no more in flight than the average worker: requests
+    // differ in size, and a worker that took many short ones is not the busy one.
+    // Once the median worker has prefill waiting the fleet is saturated: every queue is
+    // priced by the wait and recompute terms, so the usual ratio would only move requests
+    // away from their caches, and a looser cap (`request_ratio_saturated`, see `hot_spot`)
+    // holds instead. That cap must see the worker that took many short ones: the terms
+    // that move long prompts off busy workers leave the short ones to pile up there, and
+    // they finish too fast to keep it above the average in flight.
+    let saturated = pool.waiting > 0;
     if p.request_ratio <= 0.0
-        || (pool.waiting > 0 && p.request_ratio_saturated <= 0.0)
+        || (saturated && p.request_ratio_saturated <= 0.0)
         || c.load.inflight < p.request_ratio_min_inflight
-        || f64::from(c.load.inflight) <= pool.mean_inflight
+        || (!saturated && f64::from(c.load.inflight) <= pool.mean_inflight)
     {
         return None;
     }
@@ -357,9 +370,17 @@ fn hot_spot(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     let prompt = (f64::from(r.prompt_tokens) / bs).max(1.0);
     if pool.waiting > 0 {
         // Saturated: the queues price every worker, and only a worker far past its share
-        // (request_ratio_saturated) is a hot spot, for every request alike.
+        // (request_ratio_saturated) is a hot spot. The excess is a count of requests, so
+        // each request pays for it alike, at the size of the average request in flight:
+        // priced by its own prompt, a hot worker would repel the long prompts and keep
+        // collecting the short ones.
         let excess = p.request_ratio_weight * (share - p.request_ratio_saturated).max(0.0);
-        return p.prefill_load_scale * (excess * prompt);
+        let per_request = if pool.mean_request_blocks > 0.0 {
+            pool.mean_request_blocks
+        } else {
+            prompt
+        };
+        return p.prefill_load_scale * (excess * per_request);
     }
     let excess =
         (share - 1.0).max(0.0) + p.request_ratio_weight * (share - p.request_ratio).max(0.0);
@@ -1255,6 +1276,53 @@ mod tests {
         assert_eq!(share_cost(&off, hot, 1), 0.0);
         let hot_pool = Pool::of(&[hot, cand(1, 0, w(20.0, 3, 2)), cand(2, 0, w(20.0, 3, 1))]);
         assert_eq!(request_share(&off, &hot, &hot_pool), None);
+    }
+
+    /// Past saturation a hot worker charges every request the same: the excess counts
+    /// requests, each priced at the pool's mean context blocks per request in flight. Priced
+    /// by its own prompt, a worker hot with short requests would keep attracting them (the
+    /// Mooncake conversation pile-up: max/mean requests 1.7-1.9 at speed 32 on dev windows
+    /// 4000 and 10000, 1.4-1.6 with this price). And it is charged with fewer requests in
+    /// flight than the average worker, since short requests leave quickly.
+    #[test]
+    fn a_saturated_hot_spot_prices_each_request_alike() {
+        let p = SelectParams::default();
+        let w = |recent: f64, inflight: u32, context: u64| WorkerView {
+            recent_requests: recent,
+            inflight,
+            prefilling: 1,
+            context_blocks: context,
+            ..idle()
+        };
+        // Hot by count (share (100 - 4) / 46.7 = 2.06) with 3 short requests in flight,
+        // fewer than the others' 6 long ones.
+        let hot = cand(0, 0, w(100.0, 3, 300));
+        let others = [cand(1, 0, w(20.0, 6, 6000)), cand(2, 0, w(20.0, 6, 6000))];
+        let pool = Pool::of(&[hot, others[0], others[1]]);
+        assert!(pool.mean_inflight > 3.0);
+        // (300 + 6000 + 6000) / 15 requests in flight.
+        assert!((pool.mean_request_blocks - 820.0).abs() < 1e-9);
+        let short = terms(&p, &hot, &shape(320), &pool).share;
+        let long = terms(&p, &hot, &shape(32000), &pool).share;
+        assert!(short > 0.0);
+        assert_eq!(short, long);
+        let share = (100.0 - p.request_ratio_slack) / pool.mean_recent;
+        let want = p.prefill_load_scale
+            * (p.request_ratio_weight * (share - p.request_ratio_saturated) * 820.0);
+        assert!((short - want).abs() < 1e-6 * want, "{short} vs {want}");
+        // No context known in flight (no blocks charged yet): the request's own prompt is
+        // the price.
+        let hot = cand(0, 0, w(100.0, 3, 0));
+        let others = [cand(1, 0, w(20.0, 6, 0)), cand(2, 0, w(20.0, 6, 0))];
+        let pool = Pool::of(&[hot, others[0], others[1]]);
+        assert_eq!(pool.mean_request_blocks, 0.0);
+        let short = terms(&p, &hot, &shape(320), &pool).share;
+        let long = terms(&p, &hot, &shape(32000), &pool).share;
+        assert!(short > 0.0);
+        assert!(
+            (long - 100.0 * short).abs() < 1e-6 * long,
+            "{short} vs {long}"
+        );
     }
 
     #[test]
