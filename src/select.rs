@@ -1281,8 +1281,8 @@ mod tests {
     /// Past saturation a hot worker charges every request the same: the excess counts
     /// requests, each priced at the pool's mean context blocks per request in flight. Priced
     /// by its own prompt, a worker hot with short requests would keep attracting them (the
-    /// Mooncake conversation pile-up: max/mean requests 1.7-1.9 at speed 32 on dev windows
-    /// 4000 and 10000, 1.4-1.6 with this price). And it is charged with fewer requests in
+    /// Mooncake conversation pile-up: max/mean requests 1.73-1.86 at speed 32 on dev windows
+    /// 4000 and 10000, 1.42-1.51 with this price). And it is charged with fewer requests in
     /// flight than the average worker, since short requests leave quickly.
     #[test]
     fn a_saturated_hot_spot_prices_each_request_alike() {
