@@ -14,6 +14,9 @@ dev slice's length, starting at --starts; a window overlapping the held-out slic
 Usage: bench/paired.py --scenario docqa --speeds 24 --tuned '{"scoring":{"copy_weight":2}}' \\
            --seeds 505,515,525 [--preset full]
        bench/paired.py --scenario conversation --speeds 24,32 --tuned '{...}' --starts 0,800,1200
+       bench/paired.py --scenario docqa --speeds 24 --seeds 505,515 --variant-wasm /tmp/new.wasm
+           (two builds, each with its default config: KVROUTE_WASM, else build/kvroute.wasm, is
+           the baseline)
 Results of the last seed or window stay in bench/results/dev-paired/ (not committed).
 """
 import argparse
@@ -44,7 +47,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenario", required=True)
     ap.add_argument("--speeds", required=True, help="comma-separated loads")
-    ap.add_argument("--tuned", required=True, help="JSON merged into the variant's plugin config")
+    ap.add_argument("--tuned", default="{}", help="JSON merged into the variant's plugin config")
+    ap.add_argument("--variant-wasm", help="the filter build the variant runs (default: the baseline's)")
     ap.add_argument("--seeds", help="comma-separated dev seeds (synthetic scenarios)")
     ap.add_argument("--starts", help="comma-separated first requests of trace windows (trace scenarios)")
     ap.add_argument("--preset", default="full")
@@ -71,6 +75,13 @@ def main():
                 sys.exit(f"window {x}..{x + count - 1} overlaps the held-out slice "
                          f"{h0}..{h0 + hn - 1}: tune on dev windows only")
             runs.append((f"start {x}", f"start={x}"))
+    if a.tuned.strip() in ("", "{}") and not a.variant_wasm:
+        sys.exit("nothing to compare: give --tuned, --variant-wasm or both")
+    env = dict(os.environ)
+    if a.variant_wasm:
+        if not os.path.exists(a.variant_wasm):
+            sys.exit(f"{a.variant_wasm}: no such file")
+        env["KVROUTE_TUNED_WASM"] = os.path.abspath(a.variant_wasm)
     out = os.path.join(HERE, "results", NAME)
     deltas = {}  # (load, metric) -> [delta per seed or window]
     for label_run, setting in runs:
@@ -78,7 +89,7 @@ def main():
         cmd = [sys.executable, os.path.join(HERE, "run.py"), "--preset", a.preset, "--scenario", a.scenario,
                "--split", "dev", "--speeds", a.speeds, "--policies", "kvroute,kvroute-tuned",
                "--tuned", a.tuned, "--set", setting, "--no-goodput", "--no-overhead", "--name", NAME]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"{label_run}: run.py failed\n{p.stdout[-3000:]}")
         with open(os.path.join(out, "results.json")) as f:
@@ -96,7 +107,8 @@ def main():
                 cells.append(f"{label} {b:.3f} -> {v:.3f}")
             print(f"{label_run} load {load}: " + ", ".join(cells), flush=True)
     unit = "seeds" if sc.get("workload") == "synthetic" else "trace windows"
-    print(f"\n{a.scenario}, variant {a.tuned} minus default, {len(runs)} {unit}:")
+    variant = a.tuned + (f" on {a.variant_wasm}" if a.variant_wasm else "")
+    print(f"\n{a.scenario}, variant {variant} minus default, {len(runs)} {unit}:")
     for (load, label), ds in sorted(deltas.items(), key=lambda kv: (float(kv[0][0]), kv[0][1])):
         fmt = next(f for lb, _, f in METRICS if lb == label)
         print(f"  load {load} {label:9}: mean {fmt.format(statistics.mean(ds))}"

@@ -57,6 +57,9 @@ LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
 NATS = os.environ.get("NATS_SERVER") or os.path.join(ROOT, ".venv", "bin", "nats-server")
 # KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
 WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
+# KVROUTE_TUNED_WASM: the build kvroute-tuned runs (default WASM), to pair two builds of the
+# filter on the same fleet and workload (bench/paired.py --variant-wasm).
+TUNED_WASM = os.environ.get("KVROUTE_TUNED_WASM") or WASM
 MODEL = "mock-model"
 
 # Fleet and workload. The fleet runs the Dynamo mocker timing model; --speedup compresses
@@ -242,7 +245,10 @@ def build_info():
     """The binaries this run measures (path, sha256, mtime) and the tree's commit."""
     import hashlib
     out = {}
-    for name, path in (("wasm", WASM), ("relay", RELAY), ("mock_worker", MOCK), ("loadgen", LOADGEN)):
+    builds = [("wasm", WASM), ("relay", RELAY), ("mock_worker", MOCK), ("loadgen", LOADGEN)]
+    if TUNED_WASM != WASM:
+        builds.append(("wasm_tuned", TUNED_WASM))
+    for name, path in builds:
         if os.path.exists(path):
             with open(path, "rb") as f:
                 h = hashlib.sha256(f.read()).hexdigest()
@@ -484,11 +490,12 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     conf = None
     if policy in STEER_RR:
         conf = kvroute_config(cfg, ws, kv_extra)  # for the layout; the filter is replaced below
+    wasm = TUNED_WASM if policy == "kvroute-tuned" else WASM
     if policy.startswith("kvroute"):
-        if not os.path.exists(WASM):
-            raise RuntimeError(f"{WASM} not built (make wasm)")
+        if not os.path.exists(wasm):
+            raise RuntimeError(f"{wasm} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
-    site = envoyconf.bench_site(port, admin, WASM)
+    site = envoyconf.bench_site(port, admin, wasm)
     if cfg.get("envoy_timing_log"):
         site = dataclasses.replace(site, access_log=True, access_log_format=envoyconf.TIMING_LOG_FORMAT)
     if policy in PRECISE_POLICIES:
