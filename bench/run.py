@@ -82,6 +82,9 @@ COMMON = dict(
     block_tokens=512,  # trace blocks replayed at full size (smaller values scale prompts down)
     max_output=64,
     max_input_tokens=32000,
+    # Mooncake replays: "AT:LEN:F" replays that part of the slice's trace time (fractions of
+    # its span) F x faster (loadgen --burst); None replays it as recorded.
+    burst=None,
     slo_s=2.0,  # the main TTFT SLO (plots, the sweep table)
     # Goodput (bench/README.md): TTFT SLOs, the TPOT SLO every one of them also requires, the
     # bisection's tolerance on the load knob, how far it brackets upward (x the highest load of
@@ -679,7 +682,8 @@ def workload_args(cfg, load):
     if cfg["workload"] == "mooncake":
         return ["--trace", trace_path(cfg), "--start", str(cfg["start"]), "--count", str(cfg["count"]),
                 "--speed", str(load), "--block-tokens", str(cfg["block_tokens"]),
-                "--max-input-tokens", str(cfg["max_input_tokens"])]
+                "--max-input-tokens", str(cfg["max_input_tokens"])] + (
+                    ["--burst", str(cfg["burst"])] if cfg.get("burst") else [])
     # Synthetic: load is new sessions per simulated second and think_s simulated seconds;
     # loadgen's --rate and --think-ms are wall-clock, so the rate is multiplied by the fleet's
     # speedup and the think time divided by it.
@@ -1777,7 +1781,8 @@ def scenario_markdown(cfg, res):
     if cfg["workload"] == "mooncake":
         wl = (f"Mooncake {cfg['trace']} {cfg['split_label']} (first {cfg['warmup']} not measured), trace blocks "
               f"of 512 tokens replayed as {cfg['block_tokens']}, max_tokens <= {cfg['max_output']}, prompts <= "
-              f"{cfg['max_input_tokens']} tokens; load = trace speed factor")
+              f"{cfg['max_input_tokens']} tokens; load = trace speed factor"
+              + (f"; burst `{cfg['burst']}` (loadgen --burst AT:LEN:F)" if cfg.get("burst") else ""))
     else:
         wl = (f"synthetic, {cfg['split_label']}, {cfg['sessions']} sessions of {cfg['turns'][0]}-{cfg['turns'][1]} "
               f"turns, think {cfg['think_s']:g} s, `{' '.join(cfg['loadgen_args'])}`, max_tokens <= "
@@ -2369,7 +2374,10 @@ def main():
             sraw = os.path.join(rawdir, n)
             os.makedirs(sraw, exist_ok=True)
             cfgs[n] = cfg
-            res["scenarios"][n] = run_scenario(cfg, policies, sraw)
+            # A scenario may run a subset of the default policies (time); --policies runs them all.
+            pols = policies if a.policies else [p for p in policies if p in scenarios.SCENARIOS[n].get(
+                "policies", policies)]
+            res["scenarios"][n] = run_scenario(cfg, pols, sraw)
             for pol, err in res["scenarios"][n]["not_run"].items():
                 res["not_run"][f"{n}/{pol}"] = err
         if len(names) == 1:

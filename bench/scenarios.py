@@ -20,6 +20,10 @@ overrides run.py's COMMON fleet settings. Tune policies on `dev`; report on `hel
 # more requests per simulated second, and at 4x the harness (loadgen, Envoy and 8 workers on
 # 2 cores) would have to send well over 100 requests per wall second.
 SMALL_KV = 6144
+# The scenarios make bench runs with fewer policies and no bisection (goodput read off the
+# sweep of their two loads), to keep it within 40 minutes (bench/README.md).
+SWEEP_ONLY = dict(bisect_slos=[], bisect_close=0)
+SWEEP_ONLY_POLICIES = ["kvroute", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
 
 SCENARIOS = {
     "conversation": dict(
@@ -32,6 +36,32 @@ SCENARIOS = {
         # (0.21 of prompt tokens at 512-token blocks) match the dev slice's (3.0, 11.4k, 0.20).
         heldout=dict(start=2000, count=800),
         loads=[12.0, 24.0, 32.0],
+        args=[],
+    ),
+    "synthetic-trace": dict(
+        description="Mooncake synthetic trace: Poisson arrivals, multi-turn order preserved, ~10k-token "
+                    "prompts (replay of requests as recorded)",
+        workload="mooncake",
+        set=dict(SWEEP_ONLY, trace="synthetic_trace.jsonl"),
+        # Rate (3.6 and 3.8 req/s), prompt sizes (10.4k and 10.7k tokens after the 32k cap)
+        # and in-window reuse (0.15 and 0.16 of prompt tokens) alike. Later windows reuse
+        # more (0.34-0.53 past request 2000) as the trace's sessions mature.
+        dev=dict(start=0, count=500),
+        heldout=dict(start=800, count=500),
+        loads=[12.0, 24.0],
+        policies=SWEEP_ONLY_POLICIES,
+        args=[],
+    ),
+    "burst": dict(
+        description="Mooncake conversation trace with a burst: 35-60 % of the window's trace time "
+                    "arrives 2.5x faster (above the fleet's capacity at every load), then back to the "
+                    "recorded rate; load = the base speed factor",
+        workload="mooncake",
+        set=dict(SWEEP_ONLY, trace="conversation_trace.jsonl", burst="0.35:0.25:2.5"),
+        dev=dict(start=0, count=500),
+        heldout=dict(start=2000, count=500),
+        loads=[14.0, 20.0],
+        policies=SWEEP_ONLY_POLICIES,
         args=[],
     ),
     "shared-context": dict(

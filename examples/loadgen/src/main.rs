@@ -69,6 +69,10 @@ run mode:
   --max-input-tokens N      truncate longer prompts (after scaling; 0 = none) [0]
   --session-block K         x-session-id = hash_ids[K] (K=1: the block after the shared
                             system prompt) [1]
+  --burst AT:LEN:F          a burst: the part of the slice's trace time from AT to AT+LEN
+                            (fractions of its span, 0-1) arrives F x faster on top of
+                            --speed, the rest as recorded; requests.jsonl gives each
+                            request's phase (before, burst, after) [none]
  synthetic:
   --sessions N              conversations [200]
   --rate R                  new conversations per second (Poisson) [4]
@@ -123,6 +127,7 @@ pub struct Args {
     pub block_tokens: usize,
     pub max_input_tokens: usize,
     pub session_block: usize,
+    pub burst: Option<workload::Burst>,
     pub sessions: usize,
     pub rate: f64,
     pub turns: (usize, usize),
@@ -172,6 +177,7 @@ fn parse_args() -> Result<Args, String> {
         block_tokens: 512,
         max_input_tokens: 0,
         session_block: 1,
+        burst: None,
         sessions: 200,
         rate: 4.0,
         turns: (1, 6),
@@ -249,6 +255,9 @@ fn parse_args() -> Result<Args, String> {
             "--block-tokens" => a.block_tokens = num!(),
             "--max-input-tokens" => a.max_input_tokens = num!(),
             "--session-block" => a.session_block = num!(),
+            "--burst" => {
+                a.burst = Some(workload::Burst::parse(&v).map_err(|e| format!("{f}: {e}"))?)
+            }
             "--sessions" => a.sessions = num!(),
             "--rate" => a.rate = num!(),
             "--turns" => {

@@ -45,8 +45,88 @@ struct TraceReq {
     session: String,
 }
 
+/// A window of the trace replayed faster than the rest (`--burst AT:LEN:F`): load above the
+/// fleet's capacity for a while, then back to the recorded rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Burst {
+    /// Start and length of the window, as fractions of the slice's trace span.
+    pub at: f64,
+    pub len: f64,
+    /// How much faster than `--speed` the window's requests arrive.
+    pub factor: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Before,
+    Burst,
+    After,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Before => "before",
+            Phase::Burst => "burst",
+            Phase::After => "after",
+        }
+    }
+}
+
+impl Burst {
+    pub fn parse(v: &str) -> Result<Burst, String> {
+        let parts: Vec<&str> = v.split(':').collect();
+        let [at, len, factor] = parts.as_slice() else {
+            return Err(format!("want AT:LEN:F, not {v:?}"));
+        };
+        let num = |x: &str| {
+            x.trim()
+                .parse::<f64>()
+                .map_err(|_| format!("bad number {x:?}"))
+        };
+        let b = Burst {
+            at: num(at)?,
+            len: num(len)?,
+            factor: num(factor)?,
+        };
+        if !(b.at >= 0.0 && b.len > 0.0 && b.at + b.len <= 1.0) {
+            return Err("want 0 <= AT, 0 < LEN and AT + LEN <= 1".into());
+        }
+        if !(b.factor.is_finite() && b.factor > 0.0) {
+            return Err("F must be > 0".into());
+        }
+        Ok(b)
+    }
+
+    /// Trace seconds since the slice's first request (`x`, of a slice spanning `span`) to
+    /// replay seconds at speed 1: the window runs `factor` x faster, and what follows it
+    /// keeps its recorded gaps, shifted earlier by the time the window saved.
+    pub fn map(&self, x: f64, span: f64) -> f64 {
+        let a = self.at * span;
+        let b = (self.at + self.len) * span;
+        if x <= a {
+            x
+        } else if x <= b {
+            a + (x - a) / self.factor
+        } else {
+            a + (b - a) / self.factor + (x - b)
+        }
+    }
+
+    pub fn phase(&self, x: f64, span: f64) -> Phase {
+        if x < self.at * span {
+            Phase::Before
+        } else if x < (self.at + self.len) * span {
+            Phase::Burst
+        } else {
+            Phase::After
+        }
+    }
+}
+
 pub struct Mooncake {
     reqs: Vec<TraceReq>,
+    burst: Option<Burst>,
     /// Text of every full block, generated before the replay starts so that building a
     /// prompt at its arrival time is a copy, not text generation.
     blocks: HashMap<u64, String>,
@@ -107,6 +187,7 @@ impl Mooncake {
         }
         let mut m = Mooncake {
             reqs,
+            burst: a.burst,
             blocks: HashMap::new(),
             block_tokens: a.block_tokens,
             speed: a.speed,
@@ -141,10 +222,28 @@ impl Mooncake {
         self.reqs.len()
     }
 
+    /// Trace seconds from the slice's first request to its last.
+    fn trace_span(&self) -> f64 {
+        let t0 = self.reqs[0].ts_ms;
+        self.reqs.iter().map(|r| r.ts_ms - t0).fold(0.0, f64::max) / 1000.0
+    }
+
+    /// Wall seconds after the start at which request `i` is due, and its burst phase.
+    fn due(&self, i: usize, span: f64) -> (f64, Option<Phase>) {
+        let x = (self.reqs[i].ts_ms - self.reqs[0].ts_ms) / 1000.0;
+        match &self.burst {
+            Some(b) => (b.map(x, span) / self.speed, Some(b.phase(x, span))),
+            None => (x / self.speed, None),
+        }
+    }
+
     /// Wall seconds the arrivals span at this speed.
     pub fn span(&self) -> f64 {
-        let t0 = self.reqs[0].ts_ms;
-        self.reqs.iter().map(|r| r.ts_ms - t0).fold(0.0, f64::max) / 1000.0 / self.speed
+        let span = self.trace_span();
+        match &self.burst {
+            Some(b) => b.map(span, span) / self.speed,
+            None => span / self.speed,
+        }
     }
 
     pub fn mean_input(&self) -> usize {
@@ -171,10 +270,10 @@ impl Mooncake {
 
     pub async fn run(self, ctx: Arc<Ctx>) {
         let me = Arc::new(self);
-        let t0 = me.reqs[0].ts_ms;
+        let span = me.trace_span();
         let mut hs = Vec::with_capacity(me.reqs.len());
         for i in 0..me.reqs.len() {
-            let due = (me.reqs[i].ts_ms - t0) / 1000.0 / me.speed;
+            let (due, phase) = me.due(i, span);
             tokio::time::sleep_until((ctx.start + Duration::from_secs_f64(due.max(0.0))).into())
                 .await;
             let (me, ctx) = (me.clone(), ctx.clone());
@@ -194,7 +293,10 @@ impl Mooncake {
                     max_tokens: r.max_tokens,
                     due,
                     keep_text: false,
-                    extra: json!({"blocks": r.hash_ids.len()}),
+                    extra: match phase {
+                        Some(p) => json!({"blocks": r.hash_ids.len(), "phase": p.name()}),
+                        None => json!({"blocks": r.hash_ids.len()}),
+                    },
                 };
                 dispatch(&ctx, job).await;
             }));
@@ -372,6 +474,7 @@ mod tests {
     fn prompts_share_exactly_the_trace_prefix() {
         let mut m = Mooncake {
             reqs: vec![req(24, &[0, 1, 2]), req(20, &[0, 1, 5])],
+            burst: None,
             blocks: HashMap::new(),
             block_tokens: 8,
             speed: 1.0,
@@ -392,6 +495,81 @@ mod tests {
         // A partial last block shares the full block's tokens up to its cut.
         let c = m.prompt(&req(19, &[0, 1, 2]));
         assert_eq!(tokenizer::encode(&c)[..16], ta[..16]);
+    }
+
+    #[test]
+    fn a_burst_compresses_its_window_and_shifts_what_follows() {
+        let b = Burst::parse("0.4:0.2:4").unwrap();
+        let span = 100.0;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // Before the window: as recorded. Inside: 4x faster. After: recorded gaps, 15 s early.
+        assert!(close(b.map(10.0, span), 10.0));
+        assert!(close(b.map(40.0, span), 40.0));
+        assert!(close(b.map(48.0, span), 42.0));
+        assert!(close(b.map(60.0, span), 45.0));
+        assert!(close(b.map(70.0, span), 55.0));
+        assert!(close(b.map(100.0, span), 85.0));
+        assert_eq!(
+            [
+                b.phase(39.9, span),
+                b.phase(40.0, span),
+                b.phase(60.5, span)
+            ],
+            [Phase::Before, Phase::Burst, Phase::After]
+        );
+        let mut m = Mooncake {
+            reqs: (0..5)
+                .map(|i| TraceReq {
+                    ts_ms: 25_000.0 * f64::from(i),
+                    ..req(8, &[0])
+                })
+                .collect(),
+            burst: Some(Burst::parse("0.25:0.5:2").unwrap()),
+            blocks: HashMap::new(),
+            block_tokens: 8,
+            speed: 2.0,
+            seed: 1,
+            api: Api::Completions,
+            model: String::new(),
+        };
+        // 100 s of trace, 25-75 s twice as fast (25 s saved), all of it at speed 2.
+        assert!(close(m.span(), 37.5));
+        let want = [
+            (0.0, Phase::Before),
+            (12.5, Phase::Burst),
+            (18.75, Phase::Burst),
+            (25.0, Phase::After),
+            (37.5, Phase::After),
+        ];
+        for (i, (t, p)) in want.into_iter().enumerate() {
+            let (due, phase) = m.due(i, 100.0);
+            assert!(close(due, t) && phase == Some(p), "{i}: {due} {phase:?}");
+        }
+        m.burst = None;
+        assert_eq!(m.due(4, 100.0), (50.0, None));
+    }
+
+    #[test]
+    fn burst_flags_are_checked() {
+        for bad in [
+            "0.5:0.6:2",
+            "0.1:0:2",
+            "-0.1:0.2:2",
+            "0.1:0.2:0",
+            "0.1:0.2",
+            "a:b:c",
+            "0.1:0.2:inf",
+        ] {
+            assert!(Burst::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            Burst::parse("0:1:1.5"),
+            Ok(Burst {
+                at: 0.0,
+                len: 1.0,
+                factor: 1.5
+            })
+        );
     }
 
     fn synthetic(tool_tokens: Option<(usize, usize)>) -> Synthetic {
