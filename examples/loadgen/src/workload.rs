@@ -98,12 +98,16 @@ impl Burst {
         Ok(b)
     }
 
+    /// The window's start and end in trace seconds, of a slice spanning `span`.
+    fn window(&self, span: f64) -> (f64, f64) {
+        (self.at * span, (self.at + self.len) * span)
+    }
+
     /// Trace seconds since the slice's first request (`x`, of a slice spanning `span`) to
     /// replay seconds at speed 1: the window runs `factor` x faster, and what follows it
     /// keeps its recorded gaps, shifted earlier by the time the window saved.
     pub fn map(&self, x: f64, span: f64) -> f64 {
-        let a = self.at * span;
-        let b = (self.at + self.len) * span;
+        let (a, b) = self.window(span);
         if x <= a {
             x
         } else if x <= b {
@@ -114,9 +118,10 @@ impl Burst {
     }
 
     pub fn phase(&self, x: f64, span: f64) -> Phase {
-        if x < self.at * span {
+        let (a, b) = self.window(span);
+        if x < a {
             Phase::Before
-        } else if x < (self.at + self.len) * span {
+        } else if x < b {
             Phase::Burst
         } else {
             Phase::After
