@@ -113,8 +113,11 @@ def eviction_run(relay: bool, bypass_every: int) -> float:
         def one(k: int):
             prompt = docs[order[k]] + tokens(5000 + k, 2 * BLOCK)
             if bypass_every and k % bypass_every == 0:
-                # Another gateway's tenant: its own documents, which push ours out.
-                prompt = tokens(9000 + k, 16 * BLOCK)
+                # Another gateway's tenant: its own documents, each twice the size of ours, which
+                # push ours out (large enough that predicted mode's misses stand clear of
+                # the noise: 0.84-0.87 against precise 0.97-0.99 over 8 runs; at the size of
+                # ours the gap was 0.03-0.09 and CI once saw 0.025).
+                prompt = tokens(9000 + k, 32 * BLOCK)
                 w = s.workers[k // bypass_every % len(s.workers)]
                 status, _, _ = request(w.port, "POST", "/v1/completions", completion(prompt))
                 assert status == 200
@@ -140,7 +143,7 @@ def test_prediction_matches_the_engine_under_eviction_pressure():
     assert figures[("precise", 0)] >= 0.95, figures
     assert figures[("precise", 4)] >= 0.95, figures
     # Traffic the gateway does not see is what predictions cannot know and events do.
-    assert figures[("precise", 4)] > figures[("predicted", 4)] + 0.03, figures
+    assert figures[("precise", 4)] > figures[("predicted", 4)] + 0.05, figures
 
 
 def test_a_relay_restart_fails_no_request_and_is_repaired(precise):
