@@ -1018,19 +1018,23 @@ def p90(s, key):
     return (s.get(key) or {}).get("p90")
 
 
-def slo_metric(s, cfg, slo):
-    """max(p90 TTFT / TTFT SLO, p90 TPOT / TPOT SLO): at most 1 meets both. None when 1 % or more
-    of the requests failed or nothing was measured (a miss)."""
+def slo_ratios(s, cfg, slo):
+    """[p90 TTFT / TTFT SLO, p90 TPOT / TPOT SLO] (TPOT left out of summaries from before it
+    was recorded): at most 1 each meets the SLO. None when 1 % or more of the requests failed
+    or nothing was measured (a miss)."""
     if s["errors"] >= 0.01 * max(1, s["requests"]):
         return None
     t = p90(s, "ttft_sim_s")
     if t is None:
         return None
-    m = t / slo
     tp = p90(s, "tpot_sim_s")
-    if tp is not None:  # absent in summaries from before TPOT was recorded
-        m = max(m, tp / cfg["tpot_slo_s"])
-    return m
+    return [t / slo] + ([tp / cfg["tpot_slo_s"]] if tp is not None else [])
+
+
+def slo_metric(s, cfg, slo):
+    """The larger of [`slo_ratios`]: at most 1 meets both; None is a miss."""
+    r = slo_ratios(s, cfg, slo)
+    return max(r) if r else None
 
 
 def meets(s, cfg, slo):
@@ -1054,12 +1058,17 @@ def bracket(pts, cfg, slo):
 
 
 def crossing(pts, cfg, slo, lo, hi):
-    """Where the SLO metric crosses 1 between lo and hi, interpolating its log linearly in the
-    load; None when the miss at hi is an error rate (no latency to interpolate)."""
-    ml, mh = slo_metric(pts[lo], cfg, slo), slo_metric(pts[hi], cfg, slo)
-    if not ml or not mh or mh <= 1.0 or ml >= mh:
+    """Where the SLO metric crosses 1 between lo and hi: each ratio's log interpolated linearly
+    in the load on its own, the first to cross. (Interpolating their max would mix them: a
+    TPOT-bound miss at hi read against a TTFT ratio at lo puts the crossing far too early
+    when TPOT is still far below its SLO at lo.) None when the miss at hi is an error rate
+    (no latency to interpolate)."""
+    rl, rh = slo_ratios(pts[lo], cfg, slo), slo_ratios(pts[hi], cfg, slo)
+    if not rl or not rh or len(rl) != len(rh):
         return None
-    return lo + (-math.log(ml)) / (math.log(mh) - math.log(ml)) * (hi - lo)
+    xs = [lo + (-math.log(ml)) / (math.log(mh) - math.log(ml)) * (hi - lo)
+          for ml, mh in zip(rl, rh) if 0.0 < ml < mh and mh > 1.0]
+    return min(xs) if xs else None
 
 
 def goodput_result(r, cfg, slo, method):
