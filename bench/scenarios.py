@@ -24,6 +24,10 @@ SMALL_KV = 6144
 # sweep of their two loads), to keep it within 40 minutes (bench/README.md).
 SWEEP_ONLY = dict(bisect_slos=[], bisect_close=0)
 SWEEP_ONLY_POLICIES = ["kvroute", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
+# Agentic has no round-robin target (the 3x is on shared-context and docqa) and its runs are the
+# longest (about 19 s each): without round-robin make bench has room for synthetic-trace's
+# third load. The oracle stays (the issue asks for its envelope on every scenario).
+NO_ROUND_ROBIN = ["kvroute", "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
 
 SCENARIOS = {
     "conversation": dict(
@@ -48,7 +52,10 @@ SCENARIOS = {
         # more (0.34-0.53 past request 2000) as the trace's sessions mature.
         dev=dict(start=0, count=500),
         heldout=dict(start=800, count=500),
-        loads=[12.0, 24.0],
+        # p90 TPOT turns sharply between 20 and 24 for kvroute and sglang-router alike (dev:
+        # 0.07-0.095 at 20, 0.12-0.22 at 22): read off 12 and 24 alone, the 2 and 4 s goodputs
+        # were an interpolation across that knee.
+        loads=[12.0, 20.0, 24.0],
         policies=SWEEP_ONLY_POLICIES,
         args=[],
     ),
@@ -89,6 +96,7 @@ SCENARIOS = {
         turns=(4, 12),
         think_s=0.5,
         loads=[6.0, 24.0, 48.0],
+        policies=NO_ROUND_ROBIN,
         args=["--system-prompts", "4", "--system-tokens", "2000", "--zipf", "1.1", "--doc-fraction", "0",
               "--user-tokens", "50", "--tool-tokens", "500-3000", "--max-tokens", "32"],
     ),
