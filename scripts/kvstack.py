@@ -134,6 +134,10 @@ class RawWorker(Worker):
         super().__init__(name, role=role)
         self.answer = answer
         self.held = []
+        # stop() and a connection thread that has just read a request race: under the lock a
+        # request held after stop() is closed at once instead of hanging its client forever.
+        self.held_lock = threading.Lock()
+        self.stopped = False
 
     def start(self, speedup, log_dir):
         self.port = self.port or free_port()
@@ -171,7 +175,11 @@ class RawWorker(Worker):
                     body += conn.recv(65536)
                 out = self.answer(head + b"\r\n\r\n" + body)
                 if out is None:
-                    self.held.append(conn)  # accepted, read, never answered
+                    with self.held_lock:
+                        if self.stopped:
+                            conn.close()
+                        else:
+                            self.held.append(conn)  # accepted, read, never answered
                     return
                 conn.sendall(out)
         except OSError:
@@ -179,8 +187,10 @@ class RawWorker(Worker):
 
     def stop(self):
         self.sock.close()
-        for c in self.held:
-            c.close()
+        with self.held_lock:
+            self.stopped = True
+            for c in self.held:
+                c.close()
 
 
 class Relay:
