@@ -39,3 +39,19 @@ def test_an_error_miss_has_no_crossing():
     pts = {10.0: point(0.5, 0.01), 20.0: point(0.6, 0.02, errors=5)}
     assert run.crossing(pts, CFG, 1.0, 10.0, 20.0) is None
     assert not run.meets(pts[20.0], CFG, 1.0)
+
+
+def sweep(points: dict[float, tuple[float, float]]) -> dict:
+    return dict(runs={f"{x:g}": point(*p) | {"offered_rps_sim": x} for x, p in points.items()})
+
+
+def test_both_missing_far_above_the_slo_at_the_lowest_load_is_not_probed_lower():
+    cfg = dict(CFG, speeds=[12.0, 24.0, 32.0])
+    far = dict(policies={"kvroute": sweep({12.0: (0.98, 0.02), 24.0: (1.5, 0.03), 32.0: (4.5, 0.05)}),
+                         "sglang-cache-aware": sweep({12.0: (1.02, 0.02), 24.0: (2.0, 0.03), 32.0: (5.0, 0.05)})})
+    assert 0.5 not in run.close_calls(cfg, far, list(far["policies"]), [2.0])
+    # Just above the SLO at the lowest load: a lower load may meet it, so it is probed.
+    near = dict(policies={"kvroute": sweep({12.0: (0.6, 0.02), 24.0: (1.5, 0.03), 32.0: (4.5, 0.05)}),
+                          "sglang-cache-aware": sweep({12.0: (1.02, 0.02), 24.0: (2.0, 0.03), 32.0: (5.0, 0.05)})})
+    assert 0.5 in run.close_calls(cfg, near, list(near["policies"]), [2.0])
+    assert 0.5 in run.close_calls(dict(cfg, bisect_close_floor_ratio=0), far, list(far["policies"]), [2.0])
