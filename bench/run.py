@@ -598,7 +598,8 @@ def scrape(ws):
         for line in b.decode().splitlines():
             for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
                          "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total",
-                         "mock:kv_evicted_blocks_total"):
+                         "mock:kv_evicted_blocks_total", "mock:engine_passes_total",
+                         "mock:engine_simulated_seconds_total"):
                 if line.startswith(name + "{") or line.startswith(name + " "):
                     tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return tot
