@@ -20,8 +20,9 @@ overrides run.py's COMMON fleet settings. Tune policies on `dev`; report on `hel
 # more requests per simulated second, and at 4x the harness (loadgen, Envoy and 8 workers on
 # 2 cores) would have to send well over 100 requests per wall second.
 SMALL_KV = 6144
-# The scenarios make bench runs with fewer policies and no bisection (goodput read off the
-# sweep of their two loads), to keep it within 40 minutes (bench/README.md).
+# burst runs with fewer policies and no bisection (goodput read off the sweep of its two
+# loads), synthetic-trace with the same policies and only its 2 and 4 s goodputs bisected,
+# to keep make bench within 40 minutes (bench/README.md).
 SWEEP_ONLY = dict(bisect_slos=[], bisect_close=0)
 SWEEP_ONLY_POLICIES = ["kvroute", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
 # Agentic has no round-robin target (the 3x is on shared-context and docqa) and its runs are the
