@@ -113,6 +113,12 @@ COMMON = dict(
     bisect_close_floor_ratio=1.5,
     # auto also bisects round-robin at 2 s where the 3x target needs it (off by default: time).
     bisect_rr=False,
+    # Wall-clock budget of the whole run in minutes (None: none). The sweeps and the bisection
+    # the targets need always run; the close calls' bisections (`bisect_close`) run only while
+    # the scenario is within its share of what is left of the budget (scenarios.py
+    # `expected_s`), so a slower machine or a run with many close calls reads more of them off
+    # the sweep instead of running past it. Those skipped or cut are listed in results.
+    budget_min=None,
     envoy_concurrency=2,
     # kvroute's debug headers (x-kvroute-costs and the rest): off, as in the shipped configs.
     kvroute_debug=False,
@@ -140,7 +146,7 @@ PRESETS = {
     "quick": dict(COMMON, n_loads=2, overhead_requests=[200, 200, 50, 20], saturate_s=3.0,
                   goodput=False, repeats=1, bisect="auto"),
     "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0,
-                 goodput=True, repeats=2, bisect="auto"),
+                 goodput=True, repeats=2, bisect="auto", budget_min=37.0),
 }
 POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
             "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
@@ -1188,7 +1194,7 @@ class Runner:
             cands.append(s)
         return dict(oracle_best(cands))
 
-    def search(self, pol, slo):
+    def search(self, pol, slo, stop=None):
         """Bisection of the load knob for the highest load meeting the SLO, to goodput_tol:
         brackets upward (x2, up to goodput_cap x the highest sweep load) while every load meets
         it and downward (/2, down to goodput_floor x the lowest) while none does; inside a
@@ -1230,17 +1236,25 @@ class Runner:
             nxt = rnd(nxt)
             if nxt in pts or probes.get(f"{slo:g}", 0) >= cfg["goodput_max_probes"]:
                 break  # the knob's resolution or the probe budget: the bracket stays as it is
+            if stop is not None and stop():
+                return False  # the time budget: the bracket stays as it is
             s = self.point(pol, nxt)
             probes[f"{slo:g}"] = probes.get(f"{slo:g}", 0) + 1
             sides.append((kind if hi is not None and lo is not None else "outside", meets(s, cfg, slo)))
+        return True
 
-    def repeat(self, pol, slo):
-        """Runs the deciding loads (the final bracket's ends) until each has `repeats` runs."""
+    def repeat(self, pol, slo, stop=None):
+        """Runs the deciding loads (the final bracket's ends) until each has `repeats` runs;
+        False when `stop` cut them short."""
         lo, hi = bracket(points_of(self.sres["policies"][pol]), self.cfg, slo)
         for x in (lo, hi):
             if x is not None:
                 for j in range(1, self.cfg["repeats"]):
+                    reps = self.sres["policies"][pol].get("repeats", {}).get(f"{rnd(x):g}", [])
+                    if len(reps) < j and stop is not None and stop():
+                        return False
                     self.point(pol, x, j)
+        return True
 
 
 def bisect_jobs(cfg, sres):
@@ -1825,7 +1839,15 @@ def scenario_markdown(cfg, res):
          f"Workload: {wl}  ",
          f"Infinite-cache reuse ceiling: {fmt(res.get('reuse_ceiling_all'))} of prompt tokens over the run, "
          f"{fmt(res.get('reuse_ceiling'))} after the warm-up; {res['wall_s']:.0f} s wall"
-         + (f" ({res['runs']} runs, sweep {res['sweep_wall_s']:.0f} s)" if res.get("runs") else ""), "",
+         + (f" ({res['runs']} runs, sweep {res['sweep_wall_s']:.0f} s)" if res.get("runs") else ""), ""]
+    bud = res.get("budget") or {}
+    if bud.get("skipped") or bud.get("cut"):
+        def jobs_text(js):
+            return ", ".join(f"{p} at {s:g} s" for p, s in js) or "none"
+        L += [f"Time budget (`budget_min`, this scenario's share {bud['allowance_s']} s): close calls not "
+              f"bisected, read off the sweep: {jobs_text(bud['skipped'])}; bisection or repeats cut short "
+              f"(the bracket reached): {jobs_text(bud['cut'])}.", ""]
+    L += [
          f"### Policies at {cfg['load_name']} {cfg['main_speed']:g} (main point)", "",
          "| policy | ok/req | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p90 | E2E p50 | done rps | hit rate | max/mean req | "
          f"goodput @ TTFT p90 <= {cfg['slo_s']:g} s | preempt | evicted blocks |",
@@ -2212,28 +2234,58 @@ def run_scenario(cfg, policies, rawdir):
     sres["sweep_wall_s"] = time.time() - t0
     if cfg["goodput"]:
         jobs = bisect_jobs(cfg, sres)
-        sres["bisected"] = [list(j) for j in jobs]
-        log(f"{cfg['scenario']}: bisecting " + ", ".join(f"{p}@{s:g}s" for p, s in jobs))
-        failed = set()
+        # The close calls' bisections are the ones the time budget may skip or cut.
+        extra = [j for j in jobs if j not in bisect_jobs(dict(cfg, bisect_close=0), sres)]
+        deadline = cfg.get("deadline")
+        budget = sres["budget"] = dict(allowance_s=None if deadline is None else round(deadline - t0),
+                                       skipped=[], cut=[])
+
+        def over():
+            return deadline is not None and time.time() > deadline
+        log(f"{cfg['scenario']}: bisecting " + ", ".join(f"{p}@{s:g}s" for p, s in jobs)
+            + ("" if deadline is None else f" (close calls while within {deadline - t0:.0f} s)"))
+        failed, started, passed_over = set(), set(), set()
         # Twice: a later SLO's probes can reopen an earlier SLO's bracket (a noisy point).
         for _ in range(2):
             for pol, slo in jobs:
                 if pol in failed:
                     continue
+                optional = (pol, slo) in extra
                 try:
-                    run.search(pol, slo)
+                    if optional and over():
+                        if (pol, slo) not in started:
+                            passed_over.add((pol, slo))
+                        continue
+                    probes0 = sres["policies"][pol].get("probes", {}).get(f"{slo:g}", 0)
+                    done = run.search(pol, slo, over if optional else None)
+                    if done or sres["policies"][pol].get("probes", {}).get(f"{slo:g}", 0) > probes0:
+                        started.add((pol, slo))
+                    if not done:
+                        passed_over.add((pol, slo))
                 except Exception as e:
                     failed.add(pol)
                     sres["policies"][pol]["bisect_error"] = str(e)
                     log(f"{cfg['scenario']} {pol}: bisection stopped: {e}")
         for pol, slo in jobs:
             if pol not in failed:
+                optional = (pol, slo) in extra
                 try:
-                    run.repeat(pol, slo)
+                    if not run.repeat(pol, slo, over if optional else None):
+                        passed_over.add((pol, slo))
                 except Exception as e:
                     failed.add(pol)
                     sres["policies"][pol]["bisect_error"] = str(e)
                     log(f"{cfg['scenario']} {pol}: repeats stopped: {e}")
+        # A close call the budget stopped before its first probe stays read off the sweep;
+        # one it stopped later keeps the bracket it reached.
+        for j in extra:
+            if j in passed_over:
+                budget["cut" if j in started else "skipped"].append(list(j))
+        sres["bisected"] = [list(j) for j in jobs if list(j) not in budget["skipped"]]
+        if budget["skipped"] or budget["cut"]:
+            log(f"{cfg['scenario']}: time budget: skipped "
+                + (", ".join(f"{p}@{s:g}s" for p, s in budget["skipped"]) or "none") + "; cut short "
+                + (", ".join(f"{p}@{s:g}s" for p, s in budget["cut"]) or "none"))
     analyze(cfg, sres)
     annotate(sres)
     sres["wall_s"] = time.time() - t0
@@ -2241,6 +2293,18 @@ def run_scenario(cfg, policies, rawdir):
                        for p, r in sres["policies"].items() if p != "oracle") + sum(
         len(o["runs"]) for o in sres.get("oracle_sweep", {}).values())
     return sres
+
+
+# What the overhead step and the report take after the scenarios (about a minute).
+OVERHEAD_RESERVE_S = 90
+
+
+def scenario_deadline(end, now, rest):
+    """When the first of the scenarios `rest` must stop starting close calls: its share of
+    the time left until `end`, in proportion to the scenarios' expected times, so a scenario
+    that ran short leaves its time to those after it."""
+    expected = [scenarios.SCENARIOS[n].get("expected_s", 300) for n in rest]
+    return now + max(0.0, end - now) * expected[0] / sum(expected)
 
 
 def annotate(sres):
@@ -2321,6 +2385,8 @@ def main():
                     "needs it), all, or a comma list [auto]")
     ap.add_argument("--bisect-slos", help="TTFT SLOs the bisection runs at, comma list or all [2]")
     ap.add_argument("--repeats", type=int, help="runs at each deciding load of the bisection [full 2, quick 1]")
+    ap.add_argument("--budget-min", type=float, help="wall-clock budget in minutes: close calls' bisections "
+                    "stop once a scenario is past its share of it; 0 = none [full 37, quick none]")
     ap.add_argument("--goodput-cap", type=float, help="bracket upward up to this x the highest load [2]")
     ap.add_argument("--oracle-settings", help="the oracle envelope's settings, prefill_scale:held_weight,... "
                     "[1:0.005,1:0.02,1:0.08]")
@@ -2359,6 +2425,8 @@ def main():
         overrides["repeats"] = a.repeats
     if a.goodput_cap:
         overrides["goodput_cap"] = a.goodput_cap
+    if a.budget_min is not None:
+        overrides["budget_min"] = a.budget_min or None
     if a.oracle_settings:
         overrides["oracle_settings"] = [[float(v) for v in x.split(":")] for x in a.oracle_settings.split(",")]
     if a.tuned:
@@ -2397,11 +2465,15 @@ def main():
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "scenarios": {}, "not_run": {}, "builds": build_info(),
            "replicas": replicas}
     cfgs = {}
+    budget_min = overrides.get("budget_min", base.get("budget_min"))
+    # The overhead step and the report come after the scenarios, out of the same budget.
+    end = None if not budget_min else t_start + 60 * budget_min - (0 if a.no_overhead else OVERHEAD_RESERVE_S)
     if not a.only_overhead:
-        for n in names:
+        for i, n in enumerate(names):
             cfg = scenario_config(base, n, a.split, dict(overrides, **({"count": a.count} if a.count and
                                   scenarios.SCENARIOS[n]["workload"] == "mooncake" else
                                   {"sessions": a.count} if a.count else {})))
+            cfg["deadline"] = None if end is None else scenario_deadline(end, time.time(), names[i:])
             sraw = os.path.join(rawdir, n)
             os.makedirs(sraw, exist_ok=True)
             cfgs[n] = cfg

@@ -55,3 +55,62 @@ def test_both_missing_far_above_the_slo_at_the_lowest_load_is_not_probed_lower()
                           "sglang-cache-aware": sweep({12.0: (1.02, 0.02), 24.0: (2.0, 0.03), 32.0: (5.0, 0.05)})})
     assert 0.5 in run.close_calls(cfg, near, list(near["policies"]), [2.0])
     assert 0.5 in run.close_calls(dict(cfg, bisect_close_floor_ratio=0), far, list(far["policies"]), [2.0])
+
+
+def fake_scenario(monkeypatch, deadline):
+    """run_scenario on made-up runs: p90 TTFT grows with the load, kvroute a little faster than
+    sglang-router, so the 2 s SLO is bisected (the targets need it) and 1 s is a close call."""
+    runs = []
+
+    def fake_run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
+        runs.append((policy, speed, rep))
+        k = 0.060 if policy == "kvroute" else 0.064
+        return point(k * speed, 0.02) | {"offered_rps_sim": speed, "ttft_sim_s": dict(p50=0.0, p90=k * speed, p99=0.0),
+                                         "tpot_sim_s": dict(p50=0.02, p90=0.02),
+                                         "e2e_sim_s": dict(p50=0.0), "throughput_rps_sim": speed, "hit_rate": 0.5,
+                                         "max_over_mean_requests": 1.0}
+    monkeypatch.setattr(run, "run_cell", fake_run_cell)
+    monkeypatch.setattr(run, "resolve_capacity", lambda cfg, logdir: None)
+    cfg = run.scenario_config(run.PRESETS["full"], "conversation", "dev", {"deadline": deadline})
+    sres = run.run_scenario(cfg, ["kvroute", "sglang-cache-aware"], "/nonexistent")
+    return sres, runs
+
+
+def test_the_time_budget_skips_close_calls_but_never_the_bisection_the_targets_need(monkeypatch):
+    free, free_runs = fake_scenario(monkeypatch, None)
+    assert ["kvroute", 1.0] in free["bisected"] and ["kvroute", 2.0] in free["bisected"]
+    assert free["budget"] == dict(allowance_s=None, skipped=[], cut=[])
+    # Past its share of the budget before the bisection starts: the 2 s bisection and its
+    # repeats run as before, the close calls are read off the sweep and listed.
+    late, late_runs = fake_scenario(monkeypatch, 0.0)
+    assert ["kvroute", 1.0] not in late["bisected"] and ["kvroute", 2.0] in late["bisected"]
+    assert ["kvroute", 1.0] in late["budget"]["skipped"] and late["budget"]["cut"] == []
+    assert len(late_runs) < len(free_runs)
+    assert late["policies"]["kvroute"]["goodput"]["2"] == free["policies"]["kvroute"]["goodput"]["2"]
+    assert late["policies"]["kvroute"]["goodput"]["1"]["method"] == "sweep"
+
+
+def test_the_budget_is_shared_in_proportion_to_the_scenarios_expected_times():
+    rest = ["conversation", "docqa"]
+    exp = [run.scenarios.SCENARIOS[n]["expected_s"] for n in rest]
+    assert run.scenario_deadline(1000.0, 0.0, rest) == pytest.approx(1000.0 * exp[0] / sum(exp))
+    # Nothing left: no close calls at all.
+    assert run.scenario_deadline(1000.0, 1200.0, rest) == 1200.0
+
+
+def test_a_close_call_the_budget_stops_midway_keeps_its_bracket_and_is_listed(monkeypatch):
+    _, core_runs = fake_scenario(monkeypatch, 0.0)
+    n_core = len(core_runs)
+    # A clock that ticks once per run. The sweep and the 2 s bisection take 12 runs (its
+    # repeats come last); the budget runs out during the first close call's second probe.
+    clock = []
+    monkeypatch.setattr(run.time, "time", lambda: float(len(clock)))
+    monkeypatch.setattr(run, "run_cell", (lambda f: lambda *a, **k: (clock.append(1), f(*a, **k))[1])(run.run_cell))
+    cfg = run.scenario_config(run.PRESETS["full"], "conversation", "dev", {"deadline": 13.5})
+    sres = run.run_scenario(cfg, ["kvroute", "sglang-cache-aware"], "/nonexistent")
+    assert sres["budget"]["cut"] == [["kvroute", 0.5]]
+    assert sorted(map(tuple, sres["budget"]["skipped"])) == [("kvroute", 1.0), ("sglang-cache-aware", 0.5),
+                                                          ("sglang-cache-aware", 1.0)]
+    assert ["kvroute", 0.5] in sres["bisected"] and ["sglang-cache-aware", 0.5] not in sres["bisected"]
+    # Every core run still ran (the sweep, the 2 s bisection, its repeats), and two probes more.
+    assert len(clock) == n_core + 2
