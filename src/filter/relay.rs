@@ -81,6 +81,14 @@ impl State {
                 && now.saturating_sub(self.relay.opened_ms) > SNAPSHOT_DEADLINE_MS
             {
                 self.relay_drop("the relay sent no complete snapshot within 30 s", true);
+            } else {
+                // The gauges are one per process, shared by every VM: the holder restates
+                // them, so a VM that handed the stream over cannot leave them wrong.
+                let fed = self.relay.feed.fed_workers() as u64;
+                self.metrics
+                    .precise_live
+                    .record(u64::from(self.relay.feed.is_live()));
+                self.metrics.precise_fed_workers.record(fed);
             }
             return;
         }
@@ -264,10 +272,9 @@ impl State {
         if failure {
             self.relay_lost(why);
         } else {
+            // Handed over: the new holder owns the process's gauges now.
             let evs = self.relay.feed.lost();
             self.apply_engine_events(evs);
-            self.metrics.precise_live.record(0);
-            self.metrics.precise_fed_workers.record(0);
         }
     }
 

@@ -503,8 +503,8 @@ impl State {
         }
     }
 
-    /// True when this VM is (now) the one that scrapes. Without replication every VM scrapes
-    /// for itself.
+    /// True when this VM is (now) the one that holds `key`'s lease (scrapes, or holds the
+    /// relay stream). Without replication every VM holds its own.
     pub(super) fn hold_lease(&self, key: &str, now: u64, period: u64) -> bool {
         let Some(me) = self.repl.as_ref().map(|r| r.id()) else {
             return true;
@@ -516,7 +516,12 @@ impl State {
             }
         }
         let until = now + period.saturating_mul(3).max(1_000);
-        self.bus.set(key, &lease_value(me, until), cas)
+        let written = self.bus.set(key, &lease_value(me, until), cas);
+        // Envoy checks no CAS on a key that does not exist yet, so VMs starting together can
+        // all create it and each believe it won (two relay streams, the loser zeroing the
+        // shared gauges when it hands over). A created lease is only a claim: it is held from
+        // the next call on, when it is read back as this VM's.
+        written && cas.is_some()
     }
 
     /// The answer to a scrape (`on_http_call_response`); `None` headers means no answer

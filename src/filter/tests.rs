@@ -1152,8 +1152,14 @@ impl Vm {
 fn one_vm_scrapes_engine_metrics_and_replicates_the_load() {
     let (_bus, a, b) = two_vms(POLL);
     b.state.borrow_mut().start_serving();
+    // The first poll only claims the lease (the key is new); the next one holds it.
     a.state.borrow_mut().tick();
     b.state.borrow_mut().tick();
+    assert!(a.calls().is_empty() && b.calls().is_empty());
+    for vm in [&a, &b] {
+        vm.f().now_ns += 500_000_000;
+        vm.state.borrow_mut().tick();
+    }
     let calls = a.calls();
     assert_eq!(
         calls.iter().map(|c| c.1.as_str()).collect::<Vec<_>>(),
@@ -1212,6 +1218,8 @@ fn scrapes_are_bounded_and_off_by_default() {
     assert!(off.calls().is_empty());
 
     let a = Vm::new(POLL);
+    a.state.borrow_mut().tick();
+    a.f().now_ns += 500_000_000;
     a.state.borrow_mut().tick();
     assert_eq!(a.calls().len(), 3);
     // Unanswered calls are not repeated while they are in flight...
@@ -1283,8 +1291,12 @@ fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     let (_bus, a, b) = two_vms(PRECISE);
     a.state.borrow_mut().start_serving();
     b.state.borrow_mut().start_serving();
-    a.state.borrow_mut().tick();
-    b.state.borrow_mut().tick();
+    // a claims the new lease on its first tick and opens the stream on its second; b never
+    // does while a renews it.
+    for _ in 0..2 {
+        a.state.borrow_mut().tick();
+        b.state.borrow_mut().tick();
+    }
     let opened = a.f().grpc_opened.clone();
     assert_eq!(
         opened,
@@ -1372,6 +1384,81 @@ fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     assert_eq!(warns, 1, "a relay that stays down is logged once");
 }
 
+/// A VM's view of the process bus in which its first read of the relay lease comes before
+/// the other VM's write: the interleaving of two threads starting together.
+struct ReadsBeforeTheOther(Rc<MemoryBus>, std::cell::Cell<bool>);
+
+impl SharedBus for ReadsBeforeTheOther {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        if key.ends_with("/relay-stream") && !self.1.replace(true) {
+            return (None, None);
+        }
+        self.0.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
+        self.0.set(key, value, cas)
+    }
+    fn register_queue(&self, name: &str) -> Option<u32> {
+        self.0.register_queue(name)
+    }
+    fn resolve_queue(&self, name: &str) -> Option<u32> {
+        self.0.resolve_queue(name)
+    }
+    fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
+        self.0.enqueue(queue, msg)
+    }
+    fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
+        self.0.dequeue(queue)
+    }
+}
+
+#[test]
+fn vms_starting_together_open_one_relay_stream_and_a_handover_keeps_the_gauge_true() {
+    use crate::precise::wire::Phase;
+    let bus = Rc::new(MemoryBus::default());
+    let racy = || Box::new(ReadsBeforeTheOther(Rc::clone(&bus), Default::default()));
+    let a = Vm::with_bus(PRECISE, racy());
+    let b = Vm::with_bus(PRECISE, racy());
+    // Both see no lease and both create it: Envoy checks no CAS on a new key.
+    for _ in 0..3 {
+        a.state.borrow_mut().tick();
+        b.state.borrow_mut().tick();
+    }
+    let streams = a.f().grpc_opened.len() + b.f().grpc_opened.len();
+    assert_eq!(streams, 1, "one stream per process");
+    assert_eq!(b.f().grpc_opened.len(), 1, "the last writer holds it");
+    b.relay_update(
+        500,
+        &relay_update(1, Phase::SnapshotEnd, &[("d0", true, &[], &[])]),
+    );
+    assert_eq!(b.recorded("kvroute.precise.stream_live"), Some(1));
+
+    // b's thread stalls past its lease: a takes over, then b wakes and hands over. The
+    // gauge is one per process: b must not zero it under a's stream.
+    a.f().now_ns += 3_500_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.f().grpc_opened.len(), 1);
+    a.state.borrow_mut().tick();
+    assert_eq!(
+        a.recorded("kvroute.precise.stream_live"),
+        Some(0),
+        "not live yet"
+    );
+    b.f().now_ns += 3_500_000_000;
+    b.state.borrow_mut().tick();
+    assert_eq!(b.f().grpc_cancelled, vec![500]);
+    assert_eq!(b.recorded("kvroute.precise.stream_live"), Some(1));
+    assert_eq!(b.counter("kvroute.precise.stream_failures.total"), 0);
+    let tok = a.f().grpc_opened[0].0;
+    a.relay_update(
+        tok,
+        &relay_update(1, Phase::SnapshotEnd, &[("d0", true, &[], &[])]),
+    );
+    a.state.borrow_mut().tick();
+    assert_eq!(a.recorded("kvroute.precise.stream_live"), Some(1));
+    assert_eq!(a.recorded("kvroute.precise.fed_workers"), Some(1));
+}
+
 #[test]
 fn precise_mode_is_off_without_a_cluster_and_an_unknown_cluster_is_not_fatal() {
     let off = Vm::new(NO_DISAGG);
@@ -1379,6 +1466,7 @@ fn precise_mode_is_off_without_a_cluster_and_an_unknown_cluster_is_not_fatal() {
     assert!(off.f().grpc_opened.is_empty());
     let a = Vm::new(PRECISE);
     a.f().failing.push("grpc_open");
+    a.state.borrow_mut().tick();
     a.state.borrow_mut().tick();
     assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 1);
     let (h, _) = a.post("still routes");
@@ -1466,6 +1554,7 @@ fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
     let b = Vm::with_bus(PRECISE, Box::new(Process(Rc::new(MemoryBus::default()))));
     for vm in [&a, &b] {
         vm.state.borrow_mut().start_serving();
+        vm.state.borrow_mut().tick();
         vm.state.borrow_mut().tick();
         vm.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
     }
