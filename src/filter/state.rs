@@ -250,6 +250,21 @@ impl State {
         self.schedule();
     }
 
+    /// `broadcast` for a request's end, sent at once where `broadcast` would wait for the
+    /// timer: the client's next request can reach another thread before this one's timer
+    /// fires (always on a CPU-starved Envoy), and that thread would still count the finished
+    /// request in flight and steer its successor away from the cache. Past the response
+    /// nothing waits on this work.
+    pub fn broadcast_now(&mut self, evs: &[Event]) {
+        if evs.is_empty() {
+            return;
+        }
+        self.outbox.extend_from_slice(evs);
+        if self.sends_at_once() {
+            self.run_deferred();
+        }
+    }
+
     /// `broadcast` for events that came from the relay (engines, other gateways): the other
     /// VMs apply them, the relay is not sent them back.
     pub(super) fn broadcast_local(&mut self, evs: &[Event]) {
@@ -268,14 +283,7 @@ impl State {
     /// Makes sure deferred work runs soon: the root timer, shortened to `DEFER_MS`. If the
     /// host refuses that, a self-addressed wake-up; without either, the work runs now.
     fn schedule(&mut self) {
-        if self.wake_pending {
-            return;
-        }
-        // Nothing has to leave before the next tick when no peer wants messages at once and
-        // no relay stream takes them: the events go out with the tick (idle peers get them in
-        // a batch then anyway), and the router flushes its pending entries before it routes
-        // again. A wake-up (enqueue, callback, dequeues) is ~10-30 us of this thread's time.
-        if !self.relay.sharing_now() && self.repl.as_ref().is_some_and(|r| !r.any_urgent()) {
+        if self.wake_pending || !self.sends_at_once() {
             return;
         }
         if self.set_timer(DEFER_MS)
@@ -288,6 +296,14 @@ impl State {
         } else {
             self.run_deferred();
         }
+    }
+
+    /// Nothing has to leave before the next tick when no peer wants messages at once and no
+    /// relay stream takes them: the events go out with the tick (idle peers get them in a
+    /// batch then anyway), and the router flushes its pending entries before it routes again.
+    /// A wake-up (enqueue, callback, dequeues) is ~10-30 us of this thread's time.
+    fn sends_at_once(&self) -> bool {
+        self.relay.sharing_now() || self.repl.as_ref().is_none_or(|r| r.any_urgent())
     }
 
     fn set_timer(&mut self, ms: u64) -> bool {
@@ -345,8 +361,27 @@ impl State {
 
     pub fn drain(&mut self) {
         self.run_deferred();
-        let Some(r) = &self.repl else { return };
-        for msg in r.drain(self.bus.as_ref(), DRAIN_MAX) {
+        self.read_queue();
+        self.relay_flush();
+    }
+
+    /// Before routing: what the other threads sent and this one has not read yet (their
+    /// requests' ends above all, see `broadcast_now`). The queue's wake-up can come after the
+    /// request on this thread's loop.
+    pub fn catch_up(&mut self) {
+        if self.read_queue() > 0 {
+            // Forwarded to the relay with the deferred work, not on the request's path.
+            self.schedule();
+        }
+    }
+
+    /// Applies (or, before this VM routes, keeps) what the other VMs sent; returns how many
+    /// messages it read.
+    fn read_queue(&mut self) -> usize {
+        let Some(r) = &self.repl else { return 0 };
+        let msgs = r.drain(self.bus.as_ref(), DRAIN_MAX);
+        let n = msgs.len();
+        for msg in msgs {
             if msg.is_empty() {
                 continue; // a wake-up, see defer_flush
             }
@@ -359,7 +394,7 @@ impl State {
                 self.backlog.push(msg);
             }
         }
-        self.relay_flush();
+        n
     }
 
     /// Called before this VM routes for the first time. Envoy's main-thread VM (and any

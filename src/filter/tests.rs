@@ -1017,6 +1017,28 @@ fn a_thread_charges_the_others_picks_before_their_events_arrive() {
 }
 
 #[test]
+fn a_finished_request_is_not_in_flight_where_the_next_one_lands() {
+    let (_bus, a, b) = two_vms(NO_DISAGG);
+    for vm in [&a, &b] {
+        vm.state.borrow_mut().on_timer();
+        vm.state.borrow_mut().start_serving();
+    }
+    // A client's request ends on a; its next one reaches b before any timer or queue
+    // wake-up ran there (a CPU-starved Envoy).
+    let (mut h, _) = a.post("one conversation");
+    a.answer(&mut h, "200", &[]);
+    a.body_chunk(&mut h, b"{}", true);
+    a.done(&mut h);
+    assert_eq!(a.inflight(), 0);
+    let (_h2, _) = b.post("one conversation, next turn");
+    assert_eq!(b.inflight(), 1, "only its own: a's request ended");
+    assert!(
+        b.counter("kvroute.replication.received.total") >= 2,
+        "the pick and the end"
+    );
+}
+
+#[test]
 fn a_host_that_refuses_the_short_timer_gets_a_queue_wake_up() {
     let (bus, a, _b) = two_vms(NO_DISAGG);
     a.state.borrow_mut().on_timer();
