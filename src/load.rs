@@ -236,6 +236,12 @@ impl LoadTable {
         added
     }
 
+    /// Releases `id`'s charge if it is provisional (its thread says it ended before its
+    /// events arrived); a charge from its events waits for its end event.
+    pub fn free_provisional(&mut self, id: RequestId) -> bool {
+        self.active.get(&id).is_some_and(|a| a.provisional) && self.free(id)
+    }
+
     /// Releases provisional charges past their time; returns how many.
     pub fn expire_provisional(&mut self, now_ms: u64) -> usize {
         let mut released = 0;

@@ -10,6 +10,12 @@
 //! record closes that window: a thread charges what the others picked moments ago,
 //! provisionally, until the full event replaces the charge ([`crate::load::Load`]).
 //!
+//! A request that ends inside the window is marked ended in the record, by the thread that
+//! routed it, in the same way: its end event leaves with the timer too, and a client's next
+//! request, on another thread, would otherwise find the last one still in flight there
+//! (a CPU-starved Envoy's timers run late: in the e2e thread test, 6 of 40 runs sent a
+//! cached 16k prompt elsewhere, its worker looking busy with requests long done).
+//!
 //! The record is small and bounded: at most [`MAX_PICKS`] picks, none older than
 //! [`WINDOW_MS`]. A malformed record (another build, a torn write) decodes to what parses.
 
@@ -22,8 +28,8 @@ pub const WINDOW_MS: u64 = 50;
 /// Picks kept in the record: the newest, enough for a burst across every thread.
 pub const MAX_PICKS: usize = 32;
 
-const VERSION: u8 = 1;
-const ENTRY: usize = 8 + 2 + 2 + 4 + 4 + 8;
+const VERSION: u8 = 2;
+const ENTRY: usize = 8 + 2 + 2 + 4 + 4 + 8 + 1;
 const NO_WORKER: u16 = u16::MAX;
 
 /// One routing decision as the other threads need it to charge its load.
@@ -37,6 +43,8 @@ pub struct Pick {
     /// KV blocks the request will hold on `worker` (prompt and expected output).
     pub blocks: u32,
     pub at_ms: u64,
+    /// The request already ended: nothing to charge, and a charge made is released.
+    pub ended: bool,
 }
 
 pub fn encode(picks: &[Pick]) -> Vec<u8> {
@@ -49,6 +57,7 @@ pub fn encode(picks: &[Pick]) -> Vec<u8> {
         out.extend_from_slice(&p.prefill_tokens.to_le_bytes());
         out.extend_from_slice(&p.blocks.to_le_bytes());
         out.extend_from_slice(&p.at_ms.to_le_bytes());
+        out.push(u8::from(p.ended));
     }
     out
 }
@@ -73,6 +82,7 @@ fn entry(e: &[u8]) -> Option<Pick> {
         prefill_tokens: u32_at(12)?,
         blocks: u32_at(16)?,
         at_ms: u64_at(20)?,
+        ended: *e.get(28)? != 0,
     })
 }
 
@@ -93,6 +103,15 @@ pub fn merge(record: &[u8], new: Pick, now_ms: u64) -> Vec<u8> {
     encode(picks.get(skip..).unwrap_or(&[]))
 }
 
+/// The record with request `id` marked ended; `None` when it holds no such pick (out of the
+/// window already, or pushed out), so nothing needs writing.
+pub fn end(record: &[u8], id: RequestId) -> Option<Vec<u8>> {
+    let mut picks = decode(record);
+    let p = picks.iter_mut().find(|p| p.id == id && !p.ended)?;
+    p.ended = true;
+    Some(encode(&picks))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +124,7 @@ mod tests {
             prefill_tokens: 30_000,
             blocks: 2_004,
             at_ms,
+            ended: id == 9,
         }
     }
 
@@ -123,6 +143,19 @@ mod tests {
         assert_eq!(decode(&[]), []);
         bytes[0] = 9;
         assert_eq!(decode(&bytes), [], "unknown version");
+    }
+
+    #[test]
+    fn an_ended_pick_is_marked_once_and_an_absent_one_not_at_all() {
+        let rec = encode(&[pick(1, 100), pick(2, 101)]);
+        let ended = end(&rec, 2).unwrap_or_default();
+        let picks = decode(&ended);
+        assert_eq!(
+            picks.iter().map(|p| (p.id, p.ended)).collect::<Vec<_>>(),
+            [(1, false), (2, true)]
+        );
+        assert_eq!(end(&ended, 2), None, "already marked");
+        assert_eq!(end(&rec, 3), None, "not in the record");
     }
 
     #[test]

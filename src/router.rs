@@ -85,6 +85,7 @@ impl Decision {
             prefill_tokens: r.prefill_tokens,
             blocks: hashed.saturating_add(r.tail_blocks),
             at_ms: r.now_ms,
+            ended: false,
         })
     }
 
@@ -249,6 +250,10 @@ impl Router {
         let mut charged = 0;
         for p in picks {
             if p.id & !0xFFFF_FFFF == self.origin || !picks::fresh(p, now_ms) {
+                continue;
+            }
+            if p.ended {
+                self.load.free_provisional(p.id);
                 continue;
             }
             let r = NewRequest {

@@ -118,7 +118,6 @@ impl Http {
         let now = t0 / 1_000_000;
         let outcome = self.with(|s| {
             s.start_serving();
-            s.catch_up();
             s.read_peer_picks(now);
             let res = s.router.route_tokens(kind, body, tokens, now);
             s.metrics
@@ -328,7 +327,8 @@ impl Http {
                 record_failure(s, &d, now, &mut evs);
             }
             evs.push(s.router.on_finish(&d, now));
-            s.broadcast_now(&evs);
+            s.broadcast(&evs);
+            s.publish_end(&d, now);
         });
     }
 }

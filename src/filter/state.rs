@@ -239,6 +239,25 @@ impl State {
         }
     }
 
+    /// After a request ended: marks its pick ended in the shared record while the record
+    /// still shows it, so no other thread charges (or keeps charging) a request that is over
+    /// before its end event arrives (`picks`). Past the window there is nothing to write.
+    pub fn publish_end(&mut self, d: &Decision, now_ms: u64) {
+        let Some(pick) = d.pick() else { return };
+        if !self.shares_picks() || !picks::fresh(&pick, now_ms) {
+            return;
+        }
+        for _ in 0..PICK_RETRIES {
+            let (bytes, cas) = self.bus.get(&self.picks_key);
+            let Some(next) = bytes.and_then(|b| picks::end(&b, pick.id)) else {
+                return;
+            };
+            if self.bus.set(&self.picks_key, &next, cas) {
+                return;
+            }
+        }
+    }
+
     /// Queues events this VM already applied for the other VMs. They leave in one message
     /// from the deferred-work timer, after Envoy sent the request upstream, so request
     /// callbacks only push onto a vector.
@@ -248,21 +267,6 @@ impl State {
         }
         self.outbox.extend_from_slice(evs);
         self.schedule();
-    }
-
-    /// `broadcast` for a request's end, sent at once where `broadcast` would wait for the
-    /// timer: the client's next request can reach another thread before this one's timer
-    /// fires (always on a CPU-starved Envoy), and that thread would still count the finished
-    /// request in flight and steer its successor away from the cache. Past the response
-    /// nothing waits on this work.
-    pub fn broadcast_now(&mut self, evs: &[Event]) {
-        if evs.is_empty() {
-            return;
-        }
-        self.outbox.extend_from_slice(evs);
-        if self.sends_at_once() {
-            self.run_deferred();
-        }
     }
 
     /// `broadcast` for events that came from the relay (engines, other gateways): the other
@@ -283,7 +287,14 @@ impl State {
     /// Makes sure deferred work runs soon: the root timer, shortened to `DEFER_MS`. If the
     /// host refuses that, a self-addressed wake-up; without either, the work runs now.
     fn schedule(&mut self) {
-        if self.wake_pending || !self.sends_at_once() {
+        if self.wake_pending {
+            return;
+        }
+        // Nothing has to leave before the next tick when no peer wants messages at once and
+        // no relay stream takes them: the events go out with the tick (idle peers get them in
+        // a batch then anyway), and the router flushes its pending entries before it routes
+        // again. A wake-up (enqueue, callback, dequeues) is ~10-30 us of this thread's time.
+        if !self.relay.sharing_now() && self.repl.as_ref().is_some_and(|r| !r.any_urgent()) {
             return;
         }
         if self.set_timer(DEFER_MS)
@@ -296,14 +307,6 @@ impl State {
         } else {
             self.run_deferred();
         }
-    }
-
-    /// Nothing has to leave before the next tick when no peer wants messages at once and no
-    /// relay stream takes them: the events go out with the tick (idle peers get them in a
-    /// batch then anyway), and the router flushes its pending entries before it routes again.
-    /// A wake-up (enqueue, callback, dequeues) is ~10-30 us of this thread's time.
-    fn sends_at_once(&self) -> bool {
-        self.relay.sharing_now() || self.repl.as_ref().is_none_or(|r| r.any_urgent())
     }
 
     fn set_timer(&mut self, ms: u64) -> bool {
@@ -361,27 +364,8 @@ impl State {
 
     pub fn drain(&mut self) {
         self.run_deferred();
-        self.read_queue();
-        self.relay_flush();
-    }
-
-    /// Before routing: what the other threads sent and this one has not read yet (their
-    /// requests' ends above all, see `broadcast_now`). The queue's wake-up can come after the
-    /// request on this thread's loop.
-    pub fn catch_up(&mut self) {
-        if self.read_queue() > 0 {
-            // Forwarded to the relay with the deferred work, not on the request's path.
-            self.schedule();
-        }
-    }
-
-    /// Applies (or, before this VM routes, keeps) what the other VMs sent; returns how many
-    /// messages it read.
-    fn read_queue(&mut self) -> usize {
-        let Some(r) = &self.repl else { return 0 };
-        let msgs = r.drain(self.bus.as_ref(), DRAIN_MAX);
-        let n = msgs.len();
-        for msg in msgs {
+        let Some(r) = &self.repl else { return };
+        for msg in r.drain(self.bus.as_ref(), DRAIN_MAX) {
             if msg.is_empty() {
                 continue; // a wake-up, see defer_flush
             }
@@ -394,7 +378,7 @@ impl State {
                 self.backlog.push(msg);
             }
         }
-        n
+        self.relay_flush();
     }
 
     /// Called before this VM routes for the first time. Envoy's main-thread VM (and any

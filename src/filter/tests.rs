@@ -1023,19 +1023,28 @@ fn a_finished_request_is_not_in_flight_where_the_next_one_lands() {
         vm.state.borrow_mut().on_timer();
         vm.state.borrow_mut().start_serving();
     }
-    // A client's request ends on a; its next one reaches b before any timer or queue
-    // wake-up ran there (a CPU-starved Envoy).
+    // A client's request ends on a; its next one reaches b before a's timer sent any event
+    // (a CPU-starved Envoy): the shared record says the first one is over.
     let (mut h, _) = a.post("one conversation");
     a.answer(&mut h, "200", &[]);
     a.body_chunk(&mut h, b"{}", true);
     a.done(&mut h);
     assert_eq!(a.inflight(), 0);
-    let (_h2, _) = b.post("one conversation, next turn");
+    let (mut h2, _) = b.post("one conversation, next turn");
+    assert_eq!(b.counter("kvroute.replication.received.total"), 0);
     assert_eq!(b.inflight(), 1, "only its own: a's request ended");
-    assert!(
-        b.counter("kvroute.replication.received.total") >= 2,
-        "the pick and the end"
-    );
+    assert_eq!(b.counter("kvroute.replication.peer_picks.total"), 0);
+
+    // b's request is charged on a, provisionally, while it runs; its end releases it there
+    // at a's next decision, still before any event arrived.
+    let (_h3, _) = a.post("something else");
+    assert_eq!(a.inflight(), 2, "a's own and b's running one");
+    b.answer(&mut h2, "200", &[]);
+    b.body_chunk(&mut h2, b"{}", true);
+    b.done(&mut h2);
+    let (_h4, _) = a.post("and more");
+    assert_eq!(a.inflight(), 2, "a's two, not b's ended one");
+    assert_eq!(a.counter("kvroute.replication.received.total"), 0);
 }
 
 #[test]
