@@ -124,7 +124,7 @@ mod tests {
             prefill_tokens: 30_000,
             blocks: 2_004,
             at_ms,
-            ended: id == 9,
+            ended: id.is_multiple_of(3),
         }
     }
 
