@@ -914,11 +914,18 @@ fn root_configures_from_the_plugin_configuration() {
         .any(|(_, m)| m.contains("configured 1 workers")));
 }
 
-/// One in-memory bus seen by several VMs of a simulated Envoy process.
-struct Process(Rc<MemoryBus>);
+/// One in-memory bus seen by several VMs of a simulated Envoy process. With a key suffix,
+/// this VM's first read of such a key comes before another VM's write: the interleaving of
+/// two threads starting together.
+struct Process(Rc<MemoryBus>, Option<(&'static str, std::cell::Cell<bool>)>);
 
 impl SharedBus for Process {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        if let Some((suffix, read)) = &self.1 {
+            if key.ends_with(suffix) && !read.replace(true) {
+                return (None, None);
+            }
+        }
         self.0.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
@@ -941,8 +948,8 @@ impl SharedBus for Process {
 /// Two VMs of one Envoy process (one bus), configured alike.
 fn two_vms(extra: &str) -> (Rc<MemoryBus>, Vm, Vm) {
     let bus = Rc::new(MemoryBus::default());
-    let a = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus))));
-    let b = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus))));
+    let a = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus), None)));
+    let b = Vm::with_bus(extra, Box::new(Process(Rc::clone(&bus), None)));
     (bus, a, b)
 }
 
@@ -1103,7 +1110,7 @@ thread_local! {
 fn root_with(workers: &str) -> (FakeHost, Root) {
     let fake = FakeHost::default();
     let host = Rc::new(Calls::new(Box::new(fake.clone())));
-    let mut root = Root::new(host, |_| Box::new(Process(SHARED.with(Rc::clone))));
+    let mut root = Root::new(host, |_| Box::new(Process(SHARED.with(Rc::clone), None)));
     {
         let mut f = fake.0.borrow_mut();
         f.plugin_config = format!(r#"{{"workers":{workers}}}"#).into_bytes();
@@ -1415,39 +1422,16 @@ fn one_vm_holds_the_relay_stream_and_every_vm_follows_the_engines() {
     assert_eq!(warns, 1, "a relay that stays down is logged once");
 }
 
-/// A VM's view of the process bus in which its first read of the relay lease comes before
-/// the other VM's write: the interleaving of two threads starting together.
-struct ReadsBeforeTheOther(Rc<MemoryBus>, std::cell::Cell<bool>);
-
-impl SharedBus for ReadsBeforeTheOther {
-    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        if key.ends_with("/relay-stream") && !self.1.replace(true) {
-            return (None, None);
-        }
-        self.0.get(key)
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> bool {
-        self.0.set(key, value, cas)
-    }
-    fn register_queue(&self, name: &str) -> Option<u32> {
-        self.0.register_queue(name)
-    }
-    fn resolve_queue(&self, name: &str) -> Option<u32> {
-        self.0.resolve_queue(name)
-    }
-    fn enqueue(&self, queue: u32, msg: &[u8]) -> bool {
-        self.0.enqueue(queue, msg)
-    }
-    fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
-        self.0.dequeue(queue)
-    }
-}
-
 #[test]
 fn vms_starting_together_open_one_relay_stream_and_a_handover_keeps_the_gauge_true() {
     use crate::precise::wire::Phase;
     let bus = Rc::new(MemoryBus::default());
-    let racy = || Box::new(ReadsBeforeTheOther(Rc::clone(&bus), Default::default()));
+    let racy = || {
+        Box::new(Process(
+            Rc::clone(&bus),
+            Some(("/relay-stream", Default::default())),
+        ))
+    };
     let a = Vm::with_bus(PRECISE, racy());
     let b = Vm::with_bus(PRECISE, racy());
     // Both see no lease and both create it: Envoy checks no CAS on a new key.
@@ -1581,8 +1565,14 @@ fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
     use crate::precise::wire::{PeerDecisions, Phase, WatchRequest};
     use prost::Message;
     // Two gateways (Envoy processes): separate buses, each one VM holding its relay stream.
-    let a = Vm::with_bus(PRECISE, Box::new(Process(Rc::new(MemoryBus::default()))));
-    let b = Vm::with_bus(PRECISE, Box::new(Process(Rc::new(MemoryBus::default()))));
+    let a = Vm::with_bus(
+        PRECISE,
+        Box::new(Process(Rc::new(MemoryBus::default()), None)),
+    );
+    let b = Vm::with_bus(
+        PRECISE,
+        Box::new(Process(Rc::new(MemoryBus::default()), None)),
+    );
     for vm in [&a, &b] {
         vm.state.borrow_mut().start_serving();
         vm.state.borrow_mut().tick();
