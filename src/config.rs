@@ -375,6 +375,13 @@ pub struct LimitsConfig {
     /// replicated; the rest still counts as load. The leading blocks carry the prompt's
     /// affinity, so a long prompt is still routed to the worker holding its prefix.
     pub max_blocks: u32,
+    /// A stream whose client asked for `usage` (`stream_options.include_usage`) is read
+    /// chunk by chunk, because its usage comes in the chunk before the last. Each read is
+    /// two crossings into the VM, ~4 us of Envoy's CPU per token streamed, for a report
+    /// that only feeds calibration and the hit-rate stats: so after a VM's first
+    /// [`crate::router::USAGE_WARMUP`] such streams, only one in this many is read; the
+    /// others only at their last chunk. 1 reads every stream.
+    pub usage_read_every: u32,
 }
 
 impl Default for LimitsConfig {
@@ -382,6 +389,7 @@ impl Default for LimitsConfig {
         Self {
             max_route_bytes: 8 << 20,
             max_blocks: 65_536,
+            usage_read_every: 8,
         }
     }
 }
@@ -665,6 +673,12 @@ impl Config {
         }
         if self.limits.max_blocks == 0 {
             return Err(err("limits.max_blocks", "must be at least 1"));
+        }
+        if self.limits.usage_read_every == 0 {
+            return Err(err(
+                "limits.usage_read_every",
+                "must be at least 1 (1 reads every stream)",
+            ));
         }
         if self.load.request_ttl_ms == 0 {
             return Err(err("load.request_ttl_ms", "must be at least 1"));

@@ -66,8 +66,9 @@ pub struct Decision {
     pub prompt_bytes_est: f64,
     /// The decode candidates' costs, kept only for debug headers.
     pub considered: Vec<select::Considered>,
-    /// A stream the client asked no usage for: no chunk before the last carries `usage`
-    /// (OpenAI's `stream_options.include_usage`), so only the last is read.
+    /// A stream only read at its last chunk: its client asked no usage (OpenAI's
+    /// `stream_options.include_usage`), so no chunk before the last carries it, or it was
+    /// not sampled for usage (`limits.usage_read_every`).
     pub usage_at_end_only: bool,
 }
 
@@ -151,7 +152,13 @@ pub struct Router {
     confirmed: VecDeque<(u64, RequestId)>,
     /// This VM's recent requests by prefix family and worker (the hot-spot term's focus).
     families: Families,
+    /// Streams routed whose client asked for usage (which of them are read for it).
+    usage_streams: u64,
 }
+
+/// Streams with usage a VM reads in full before sampling (`limits.usage_read_every`): the
+/// calibration's per-worker averages start from these.
+pub const USAGE_WARMUP: u64 = 64;
 
 /// Output tokens assumed when a request does not say (vLLM would run to the context limit).
 const DEFAULT_OUTPUT_TOKENS: u32 = 256;
@@ -220,6 +227,7 @@ impl Router {
             engine_fed: Vec::new(),
             confirmed: VecDeque::new(),
             families,
+            usage_streams: 0,
         }
     }
 
@@ -275,6 +283,13 @@ impl Router {
         charged
     }
 
+    /// Whether this stream, whose client asked for usage, is read chunk by chunk for it.
+    fn read_usage(&mut self) -> bool {
+        let n = self.usage_streams;
+        self.usage_streams = n.saturating_add(1);
+        n < USAGE_WARMUP || n % u64::from(self.cfg.limits.usage_read_every.max(1)) == 0
+    }
+
     fn next_id(&mut self) -> RequestId {
         self.seq = (self.seq + 1) & 0xFFFF_FFFF;
         self.origin | self.seq
@@ -315,7 +330,7 @@ impl Router {
         };
         // The parsed prompt (a batch's every entry) is not needed past hashing.
         let max_tokens = req.max_tokens;
-        let usage_at_end_only = req.stream && !req.include_usage;
+        let usage_at_end_only = req.stream && !(req.include_usage && self.read_usage());
         drop(req);
         let bs = self.cfg.block_size.max(1);
         // Text blocks are `block_size * configured chars_per_token` bytes; how many tokens
@@ -1391,6 +1406,43 @@ mod tests {
         assert_eq!(again.overlap_tokens, 10 * 16);
         assert!(Config::from_json(br#"{"limits":{"max_blocks":0}}"#).is_err());
         assert_eq!(Config::default().limits.max_route_bytes, 8 << 20);
+    }
+
+    #[test]
+    fn streams_asking_for_usage_are_read_for_it_after_a_warm_up_only_when_sampled() {
+        fn stream(usage: bool) -> Vec<u8> {
+            let mut b =
+                serde_json::json!({"model": "m", "prompt": "q", "max_tokens": 4, "stream": true});
+            if usage {
+                b["stream_options"] = serde_json::json!({"include_usage": true});
+            }
+            serde_json::to_vec(&b).unwrap()
+        }
+        fn read_chunks(r: &mut Router, body: &[u8]) -> bool {
+            let d = routed(r.route(ApiKind::Completions, body, 0));
+            r.on_finish(&d, 0);
+            !d.usage_at_end_only
+        }
+        let mut r = Router::new(cfg(r#","limits":{"usage_read_every":4}"#), 1, 3);
+        let warm = usize::try_from(USAGE_WARMUP).unwrap();
+        let read: Vec<bool> = (0..warm + 8)
+            .map(|_| read_chunks(&mut r, &stream(true)))
+            .collect();
+        assert!(read[..warm].iter().all(|&x| x));
+        assert_eq!(
+            read[warm..],
+            [true, false, false, false, true, false, false, false]
+        );
+        // A stream without usage asked is never read before its end, and does not count.
+        assert!(!read_chunks(&mut r, &stream(false)));
+        assert!(read_chunks(&mut r, &stream(true)));
+        assert!(!read_chunks(&mut r, &stream(true)));
+        // Nor is a response that is not a stream: it is one body, read whole.
+        assert!(read_chunks(&mut r, &completion("q")));
+        let mut every = Router::new(cfg(r#","limits":{"usage_read_every":1}"#), 1, 3);
+        assert!((0..warm + 8).all(|_| read_chunks(&mut every, &stream(true))));
+        assert_eq!(Config::default().limits.usage_read_every, 8);
+        assert!(Config::from_json(br#"{"limits":{"usage_read_every":0}}"#).is_err());
     }
 
     #[test]
