@@ -287,7 +287,7 @@ impl Router {
     fn read_usage(&mut self) -> bool {
         let n = self.usage_streams;
         self.usage_streams = n.saturating_add(1);
-        n < USAGE_WARMUP || n % u64::from(self.cfg.limits.usage_read_every.max(1)) == 0
+        n < USAGE_WARMUP || n.is_multiple_of(u64::from(self.cfg.limits.usage_read_every.max(1)))
     }
 
     fn next_id(&mut self) -> RequestId {
