@@ -377,7 +377,7 @@ pub struct LimitsConfig {
     pub max_blocks: u32,
     /// A stream whose client asked for `usage` (`stream_options.include_usage`) is read
     /// chunk by chunk, because its usage comes in the chunk before the last. Each read is
-    /// two crossings into the VM, ~4 us of Envoy's CPU per token streamed, for a report
+    /// two crossings into the VM, 1-2 us of Envoy's CPU per token streamed, for a report
     /// that only feeds calibration and the hit-rate stats: so after a VM's first
     /// [`crate::router::USAGE_WARMUP`] such streams, only one in this many is read; the
     /// others only at their last chunk. 1 reads every stream.

@@ -1437,7 +1437,7 @@ mod tests {
         assert!(!read_chunks(&mut r, &stream(false)));
         assert!(read_chunks(&mut r, &stream(true)));
         assert!(!read_chunks(&mut r, &stream(true)));
-        // Nor is a response that is not a stream: it is one body, read whole.
+        // A response that is not a stream is one body: always read, and not counted.
         assert!(read_chunks(&mut r, &completion("q")));
         let mut every = Router::new(cfg(r#","limits":{"usage_read_every":1}"#), 1, 3);
         assert!((0..warm + 8).all(|_| read_chunks(&mut every, &stream(true))));
