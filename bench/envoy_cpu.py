@@ -20,29 +20,22 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
 
 
-def cpu_s(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def one_run(a, kvstack):
+def one_run(a, kvstack, run):
     workers = [kvstack.Worker(f"w{i}", kv_blocks=8192) for i in range(4)]
     kv = None if a.round_robin else {"debug_headers": False}
     st = kvstack.Stack(workers, kvroute=kv, speedup=50.0).start()
     try:
         with tempfile.TemporaryDirectory(prefix="envoy-cpu-") as out:
-            cmd = [LOADGEN, "--target", f"http://127.0.0.1:{st.listen}", "--workload", "synthetic",
+            cmd = [run.LOADGEN, "--target", f"http://127.0.0.1:{st.listen}", "--workload", "synthetic",
                    "--sessions", str(a.sessions), "--rate", str(a.rate), "--turns", "1-3",
                    "--think-ms", "100", "--system-prompts", "10", "--system-tokens", "2000",
                    "--user-tokens", "100", "--doc-fraction", "0", "--max-tokens", str(a.tokens),
                    "--stream-usage", a.usage, "--seed", "7", "--model", "mock-model", "--out", out]
-            c0, t0 = cpu_s(st.envoy.pid), time.time()
+            c0, t0 = run.proc_cpu_s([st.envoy]), time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            c1 = cpu_s(st.envoy.pid)
+            c1 = run.proc_cpu_s([st.envoy])
             with open(os.path.join(out, "summary.json")) as f:
                 s = json.load(f)
     finally:
@@ -66,10 +59,12 @@ def main():
     # kvstack reads the build to load from the environment when it is imported.
     os.environ["KVROUTE_WASM"] = os.path.abspath(a.wasm)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import kvstack  # noqa: E402
+    import run  # noqa: E402  (the benchmark's loadgen path and CPU reading)
     label = "round-robin" if a.round_robin else os.path.relpath(a.wasm)
     for _ in range(a.runs):
-        r = one_run(a, kvstack)
+        r = one_run(a, kvstack, run)
         print(json.dumps(dict(build=label, tokens=a.tokens, usage=a.usage, rate=a.rate, **r)))
 
 
