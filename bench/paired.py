@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--seeds", help="comma-separated dev seeds (synthetic scenarios)")
     ap.add_argument("--starts", help="comma-separated first requests of trace windows (trace scenarios)")
     ap.add_argument("--preset", default="full")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed on to run.py for both builds, e.g. --set max_output=1024")
     a = ap.parse_args()
     sc = scenarios.SCENARIOS.get(a.scenario)
     if sc is None:
@@ -89,6 +91,8 @@ def main():
         cmd = [sys.executable, os.path.join(HERE, "run.py"), "--preset", a.preset, "--scenario", a.scenario,
                "--split", "dev", "--speeds", a.speeds, "--policies", "kvroute,kvroute-tuned",
                "--tuned", a.tuned, "--set", setting, "--no-goodput", "--no-overhead", "--name", NAME]
+        for kv in a.set:
+            cmd += ["--set", kv]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         if p.returncode != 0:
             sys.exit(f"{label_run}: run.py failed\n{p.stdout[-3000:]}")

@@ -978,7 +978,8 @@ fn overhead() {
     }
     println!("route (all) = Router::route (parse + hash + index lookup + select + load charge); flush and encode run");
     println!("after the request left (on_queue_ready); peer apply = decode + apply on another VM's router;");
-    println!("first byte = on_first_byte(success) (index insert of the confirmed blocks), on the response path.");
+    println!("first byte = on_first_byte(success) (the prompt's blocks marked computed), on the response path;");
+    println!("finish = on_finish (the index insert of a confirmed prompt), from the log callback after the answer.");
 }
 
 fn main() {

@@ -357,10 +357,12 @@ impl Router {
             total_blocks: prompt_blocks + output.div_ceil(bs),
         };
 
-        // Confirmed: what the index says each worker holds; held adds the routed requests
-        // not yet answered (speculative), which no cache holds until their prefill ran.
+        // Confirmed: what the index says each worker holds, and the prompts of answered
+        // requests still running (pinned in the engine, see `Speculative`); held adds the
+        // routed requests not yet answered, which no cache holds until their prefill ran.
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
+        self.speculative.extend_confirmed(&ph.blocks, &mut confirmed);
         let mut held = confirmed.clone();
         self.speculative.extend(&ph.blocks, &mut held);
         let to_tokens = |blocks: &[u32], w: WorkerId| -> u32 {
@@ -458,6 +460,7 @@ impl Router {
                 prefill,
                 hashes: routed.blocks.clone(),
                 at_ms: now_ms,
+                confirmed: false,
             },
         ));
         let event = Event::Routed(routed);
@@ -571,22 +574,6 @@ impl Router {
         rest.into_iter().take(n).map(|(_, w)| w).collect()
     }
 
-    fn record_prefix(
-        &mut self,
-        worker: WorkerId,
-        prefill: Option<WorkerId>,
-        hashes: &[u64],
-        at: u64,
-    ) {
-        if hashes.is_empty() {
-            return;
-        }
-        self.index.insert(worker, hashes, at);
-        if let Some(p) = prefill {
-            self.index.insert(p, hashes, at);
-        }
-    }
-
     /// Speculative entries of local decisions wait here so they are made after the request
     /// is on its way (the filter calls `flush` from a callback of its own); anything routed
     /// or confirmed before that flushes first, so no decision ever misses an earlier one.
@@ -608,7 +595,7 @@ impl Router {
 
     /// Unconfirmed requests (speculative index entries).
     pub fn speculative_requests(&self) -> usize {
-        self.speculative.len() + self.pending.len()
+        self.speculative.unconfirmed() + self.pending.len()
     }
 
     /// Applies an event, local or replicated from another thread.
@@ -623,6 +610,7 @@ impl Router {
                         prefill: r.prefill_worker,
                         hashes: r.blocks.clone(),
                         at_ms: r.now_ms,
+                        confirmed: false,
                     },
                 );
             }
@@ -640,8 +628,13 @@ impl Router {
                         let until = now_ms.saturating_add(self.cfg.relay.speculative_ms);
                         self.confirmed.push_back((until, *id));
                     }
-                } else if let Some(p) = self.speculative.take(*id) {
-                    self.record_prefix(p.worker, p.prefill, &p.hashes, p.at_ms);
+                } else if let Some(p) = self.speculative.confirm(*id) {
+                    // Its worker holds the blocks pinned until the request ends (see
+                    // `Speculative`), and they enter the index then. A prefill worker freed
+                    // them when it handed the KV over, which came before this answer.
+                    if let Some(pw) = p.prefill.filter(|&pw| pw != p.worker) {
+                        self.index.insert(pw, &p.hashes, now_ms);
+                    }
                 }
             }
             Event::Free { id } => {
@@ -651,7 +644,11 @@ impl Router {
                 // worker leave on their own deadline (`confirmed`).
                 self.flush();
                 if !self.confirmed.iter().any(|&(_, c)| c == *id) {
-                    self.speculative.take(*id);
+                    // Ended after an answer: the engine freed its blocks just now, so they are
+                    // its most recent evictable ones.
+                    if let Some(p) = self.speculative.take(*id).filter(|p| p.confirmed) {
+                        self.index.insert(p.worker, &p.hashes, now_ms);
+                    }
                 }
             }
             Event::Report { worker, report } => self.load.report(*worker, *report),
@@ -779,9 +776,10 @@ impl Router {
         e
     }
 
-    /// The second half: a 2xx answer confirms the request's index entries. Inserting a cold
-    /// prompt's blocks costs a few hundred microseconds, so the filter runs this after the
-    /// first byte went on to the client (at the next chunk or when the request ends).
+    /// The second half: a 2xx answer confirms the request's blocks (computed, pinned on the
+    /// worker until the request ends, when `on_finish` puts them into the index). It walks
+    /// every block of the prompt, so the filter runs this after the first byte went on to
+    /// the client (at the next chunk or when the request ends).
     pub fn on_confirmed(&mut self, d: &Decision, success: bool, now_ms: u64) -> Option<Event> {
         if !success || d.hashes().is_empty() {
             return None;
@@ -791,7 +789,9 @@ impl Router {
         Some(e)
     }
 
-    /// The request is over (success or not): release its load.
+    /// The request is over (success or not): release its load; a confirmed prompt enters
+    /// the index (inserting a cold prompt's blocks costs a few hundred microseconds: the
+    /// filter calls this from its log callback, after the answer's last byte).
     pub fn on_finish(&mut self, d: &Decision, now_ms: u64) -> Event {
         let e = Event::Free { id: d.id };
         self.apply(&e, now_ms);
@@ -1299,6 +1299,44 @@ mod tests {
         assert_eq!(r.speculative_requests(), 0);
         let again = routed(r.route(ApiKind::Completions, &completion(&warm), 30));
         assert!(again.predicted_hit() > 0.9, "{}", again.predicted_hit());
+    }
+
+    /// The engine pins a running request's blocks: a prompt still answering is held however
+    /// much came after it, and when it ends its blocks are the worker's most recent.
+    #[test]
+    fn a_running_prompt_stays_held_and_is_most_recent_when_it_ends() {
+        let mut r = small_worker();
+        let long = doc(8, 2000); // ~31 of the worker's 64 blocks
+        let d = routed(r.route(ApiKind::Completions, &completion(&long), 0));
+        r.on_first_byte(&d, true, 1);
+        let n = d.hashes().len() as u32;
+        // While it streams, two other prompts fill the worker's capacity and finish.
+        for i in 0..2u64 {
+            let o = routed(r.route(ApiKind::Completions, &completion(&doc(100 + i, 2000)), 10 + i));
+            r.on_first_byte(&o, true, 11 + i);
+            r.on_finish(&o, 12 + i);
+        }
+        let mut held = vec![0u32; 1];
+        r.index().lookup(d.hashes(), 20, &mut held);
+        assert!(held[0] < n, "the index's LRU dropped it ({} of {n})", held[0]);
+        r.held_blocks(d.hashes(), 20, &mut held);
+        assert_eq!(held[0], n, "but it is still running");
+        assert_eq!(r.speculative_requests(), 0, "confirmed requests are not speculative");
+        r.on_finish(&d, 30);
+        r.index().lookup(d.hashes(), 31, &mut held);
+        assert_eq!(held[0], n, "freed last: back in the index");
+        // The last prompt routed before it ended is what the next one evicts first.
+        let next = routed(r.route(ApiKind::Completions, &completion(&doc(300, 2000)), 40));
+        r.on_first_byte(&next, true, 41);
+        r.on_finish(&next, 42);
+        r.index().lookup(d.hashes(), 43, &mut held);
+        assert_eq!(held[0], n, "most recently freed, so kept");
+        // A request that ends without an answer leaves nothing, confirmed or not.
+        let failed = routed(r.route(ApiKind::Completions, &completion(&doc(400, 2000)), 50));
+        r.on_first_byte(&failed, false, 51);
+        r.on_finish(&failed, 52);
+        r.index().lookup(failed.hashes(), 53, &mut held);
+        assert_eq!(held[0], 0);
     }
 
     #[test]

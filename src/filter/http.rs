@@ -309,8 +309,8 @@ impl Http {
         let Some(d) = self.decision.take() else {
             return;
         };
-        // Before the request's load is freed: confirmed blocks stay in the index, blocks
-        // still speculative leave with it.
+        // Before the request's load is freed: confirmed blocks go into the index with it,
+        // blocks still speculative leave with it.
         self.confirm(&d);
         // No response headers at all: connect failure, reset or timeout upstream, unless the
         // client went away first. With a response, on_http_response_headers judged it.
