@@ -362,7 +362,8 @@ impl Router {
         // routed requests not yet answered, which no cache holds until their prefill ran.
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
-        self.speculative.extend_confirmed(&ph.blocks, &mut confirmed);
+        self.speculative
+            .extend_confirmed(&ph.blocks, &mut confirmed);
         let mut held = confirmed.clone();
         self.speculative.extend(&ph.blocks, &mut held);
         let to_tokens = |blocks: &[u32], w: WorkerId| -> u32 {
@@ -1310,18 +1311,27 @@ mod tests {
         let d = routed(r.route(ApiKind::Completions, &completion(&long), 0));
         r.on_first_byte(&d, true, 1);
         let n = d.hashes().len() as u32;
-        // While it streams, two other prompts fill the worker's capacity and finish.
+        // While it streams, two other prompts fill the worker's capacity and finish: an LRU
+        // ordered by routing or answer time would have dropped the first prompt by now.
         for i in 0..2u64 {
-            let o = routed(r.route(ApiKind::Completions, &completion(&doc(100 + i, 2000)), 10 + i));
+            let o = routed(r.route(
+                ApiKind::Completions,
+                &completion(&doc(100 + i, 2000)),
+                10 + i,
+            ));
             r.on_first_byte(&o, true, 11 + i);
             r.on_finish(&o, 12 + i);
         }
         let mut held = vec![0u32; 1];
         r.index().lookup(d.hashes(), 20, &mut held);
-        assert!(held[0] < n, "the index's LRU dropped it ({} of {n})", held[0]);
+        assert!(held[0] < n, "not in the index yet ({} of {n})", held[0]);
         r.held_blocks(d.hashes(), 20, &mut held);
         assert_eq!(held[0], n, "but it is still running");
-        assert_eq!(r.speculative_requests(), 0, "confirmed requests are not speculative");
+        assert_eq!(
+            r.speculative_requests(),
+            0,
+            "confirmed requests are not speculative"
+        );
         r.on_finish(&d, 30);
         r.index().lookup(d.hashes(), 31, &mut held);
         assert_eq!(held[0], n, "freed last: back in the index");
