@@ -25,11 +25,12 @@ pub struct Http {
     tokenizing: Option<(u32, Vec<u8>, u64)>,
     decision: Option<Decision>,
     saw_response: bool,
-    /// The response status was 2xx (its body confirms the request's index entries).
+    /// The response status was 2xx (its body confirms the request's blocks as computed).
     success: bool,
     first_byte: bool,
-    /// The first byte of a 2xx answer went to the client and its index entries are not
-    /// confirmed yet: the insert waits for the next chunk or the end, off the first byte.
+    /// The first byte of a 2xx answer went to the client and its blocks are not confirmed
+    /// yet: confirming walks every block of the prompt, so it waits for the next chunk or
+    /// the end, off the first byte.
     confirm_due: bool,
     finished: bool,
     tail: UsageTail,
@@ -288,7 +289,8 @@ impl Http {
         }
     }
 
-    /// Confirms the request's index entries if its first byte left them due.
+    /// Confirms the request's blocks (computed, pinned until it ends) if its first byte left
+    /// them due.
     fn confirm(&mut self, d: &Decision) {
         if !std::mem::take(&mut self.confirm_due) {
             return;

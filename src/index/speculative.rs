@@ -63,8 +63,8 @@ impl Speculative {
         self.reqs.len().saturating_sub(self.confirmed)
     }
 
-    /// Marks request `id` confirmed and returns it (for the index insert), once: `None` when
-    /// it is unknown or was already confirmed.
+    /// Marks request `id` confirmed and returns it (a prefill worker's blocks go into the
+    /// index now), once: `None` when it is unknown or was already confirmed.
     pub fn confirm(&mut self, id: RequestId) -> Option<&Pending> {
         let p = self.reqs.get_mut(&id)?;
         if p.confirmed {
