@@ -462,6 +462,7 @@ impl Router {
                 hashes: routed.blocks.clone(),
                 at_ms: now_ms,
                 confirmed: false,
+                cached: routed.cached_blocks,
             },
         ));
         let event = Event::Routed(routed);
@@ -547,7 +548,11 @@ impl Router {
                     .get(usize::from(w))
                     .map(|c| self.cfg.kv_blocks(c))
                     .unwrap_or(1),
-                indexed_blocks: u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX),
+                // What its KV holds: ended prompts, and the running requests' own blocks
+                // that took their room.
+                indexed_blocks: u32::try_from(self.index.entries(w))
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(self.speculative.reserved(w)),
                 load: self.worker_view(w, now_ms),
                 confirmed_tokens: confirmed(w),
                 family_share: None,
@@ -612,6 +617,7 @@ impl Router {
                         hashes: r.blocks.clone(),
                         at_ms: r.now_ms,
                         confirmed: false,
+                        cached: r.cached_blocks,
                     },
                 );
             }
@@ -633,9 +639,11 @@ impl Router {
                     // Its worker holds the blocks pinned until the request ends (see
                     // `Speculative`), and they enter the index then. A prefill worker freed
                     // them when it handed the KV over, which came before this answer.
+                    let worker = p.worker;
                     if let Some(pw) = p.prefill.filter(|&pw| pw != p.worker) {
                         self.index.insert(pw, &p.hashes, now_ms);
                     }
+                    self.fit_lru(worker);
                 }
             }
             Event::Free { id } => {
@@ -648,6 +656,7 @@ impl Router {
                     // Ended after an answer: the engine freed its blocks just now, so they are
                     // its most recent evictable ones.
                     if let Some(p) = self.speculative.take(*id).filter(|p| p.confirmed) {
+                        self.fit_lru(p.worker);
                         self.index.insert(p.worker, &p.hashes, now_ms);
                     }
                 }
@@ -701,6 +710,23 @@ impl Router {
                 }
             }
         }
+    }
+
+    /// Bounds worker `w`'s LRU by the room its KV has for ended prompts: its capacity less
+    /// the blocks running requests pin there ([`Speculative::reserved`]). Engine-fed workers
+    /// keep the wide bound their events need.
+    fn fit_lru(&mut self, w: WorkerId) {
+        if self.engine_fed(w) {
+            return;
+        }
+        let Some(wc) = self.cfg.workers.get(usize::from(w)) else {
+            return;
+        };
+        let kv = self.cfg.kv_blocks(wc);
+        // An engine preempts before running requests fill its whole KV; the floor keeps a
+        // miscount (estimated token counts, a lost end) from wiping what the worker caches.
+        let cap = kv.saturating_sub(self.speculative.reserved(w)).max(kv / 4);
+        self.index.set_capacity(w, cap);
     }
 
     /// Whether the engine's own KV events describe this worker's cache (precise mode).
@@ -1347,6 +1373,40 @@ mod tests {
         r.on_finish(&failed, 52);
         r.index().lookup(failed.hashes(), 53, &mut held);
         assert_eq!(held[0], 0);
+    }
+
+    #[test]
+    fn running_requests_take_room_from_ended_prompts() {
+        let mut r = small_worker();
+        let mut held = vec![0u32; 1];
+        let old = routed(r.route(ApiKind::Completions, &completion(&doc(1, 2000)), 0));
+        r.on_first_byte(&old, true, 1);
+        r.on_finish(&old, 2);
+        let n = old.hashes().len() as u32;
+        r.index().lookup(old.hashes(), 3, &mut held);
+        assert_eq!(held[0], n);
+        // A second prompt of the same size runs while a third comes and goes: with ~31 of
+        // the 64 blocks pinned, the engine has room for the third and little of the first.
+        let running = routed(r.route(ApiKind::Completions, &completion(&doc(2, 2000)), 10));
+        r.on_first_byte(&running, true, 11);
+        let n_running = running.hashes().len() as u32;
+        let third = routed(r.route(ApiKind::Completions, &completion(&doc(3, 2000)), 20));
+        r.on_first_byte(&third, true, 21);
+        r.on_finish(&third, 22);
+        r.index().lookup(third.hashes(), 23, &mut held);
+        assert_eq!(held[0], third.hashes().len() as u32);
+        r.index().lookup(old.hashes(), 23, &mut held);
+        assert!(
+            held[0] <= 64 - n_running - n,
+            "the first prompt's blocks made room: {} of {n} left",
+            held[0]
+        );
+        // Ended, the running prompt frees its room and is the newest content.
+        r.on_finish(&running, 30);
+        r.index().lookup(running.hashes(), 31, &mut held);
+        assert_eq!(held[0], n_running);
+        r.index().lookup(third.hashes(), 31, &mut held);
+        assert_eq!(held[0], third.hashes().len() as u32);
     }
 
     #[test]

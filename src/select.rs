@@ -99,7 +99,8 @@ pub struct Candidate {
     /// Prompt tokens covered by the leading index blocks the worker holds.
     pub overlap_tokens: u32,
     pub kv_blocks: u32,
-    /// Blocks the prefix index believes this worker's cache holds (at most `kv_blocks`).
+    /// Blocks the worker's cache is believed to hold: ended prompts in the prefix index and
+    /// the blocks running requests pin there (together at most `kv_blocks`).
     pub indexed_blocks: u32,
     pub load: WorkerView,
     /// Of `overlap_tokens`, those the index confirms (answered requests): a copy of them

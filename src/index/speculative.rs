@@ -13,6 +13,12 @@
 //! go into the index's LRU. Inserted when the request was routed or answered instead, a
 //! long answer's prompt would age in the LRU while the engine still held it, and the next
 //! turn of that conversation would look like a miss on every worker.
+//!
+//! Pinned blocks take room in the engine's KV that its evictable cache no longer has:
+//! `reserved` counts, per worker, the distinct blocks confirmed requests hold there that
+//! were not cached when they were routed, and the router shrinks that worker's LRU by as
+//! many. Without it the LRU keeps ended prompts the engine has already evicted to make room
+//! for the running ones, and under eviction pressure predicts hits that are not there.
 
 use crate::ids::{KeyedState, RequestId, WorkerId};
 use hashbrown::hash_map::Entry;
@@ -27,6 +33,9 @@ pub struct Pending {
     pub at_ms: u64,
     /// The worker answered: the blocks are computed, pinned until the request ends.
     pub confirmed: bool,
+    /// Leading blocks `worker` already held (index or requests in flight) when routed: the
+    /// rest are new to its KV.
+    pub cached: u32,
 }
 
 /// Requests in flight and, per (block, worker), how many of them expect or hold it.
@@ -38,6 +47,9 @@ pub struct Speculative {
     /// Keyed by `slot(block, worker)`: how many requests expect the block there, and how
     /// many of those are confirmed.
     held: HashMap<u64, Held, KeyedState>,
+    /// Per worker: blocks held by confirmed requests there that were new to its KV (counted
+    /// once however many requests share them).
+    reserved: Vec<u32>,
 }
 
 impl Speculative {
@@ -47,6 +59,27 @@ impl Speculative {
             reqs: HashMap::with_hasher(KeyedState(key)),
             confirmed: 0,
             held: HashMap::with_hasher(KeyedState(key)),
+            reserved: Vec::new(),
+        }
+    }
+
+    /// Blocks confirmed requests pin on worker `w` beyond what it had cached: room its
+    /// evictable cache does not have while they run.
+    pub fn reserved(&self, w: WorkerId) -> u32 {
+        self.reserved.get(usize::from(w)).copied().unwrap_or(0)
+    }
+
+    fn reserve(&mut self, w: WorkerId, up: bool) {
+        let wi = usize::from(w);
+        if self.reserved.len() <= wi {
+            self.reserved.resize(wi + 1, 0);
+        }
+        if let Some(r) = self.reserved.get_mut(wi) {
+            *r = if up {
+                r.saturating_add(1)
+            } else {
+                r.saturating_sub(1)
+            };
         }
     }
 
@@ -72,14 +105,22 @@ impl Speculative {
         }
         p.confirmed = true;
         self.confirmed += 1;
+        let mut reserved = 0u32;
         for w in workers(p) {
             for &h in &p.hashes {
                 if let Some(c) = self.held.get_mut(&slot(h, w)) {
+                    if c.confirmed == 0 && c.reserving {
+                        reserved += 1;
+                    }
                     c.confirmed = c.confirmed.saturating_add(1);
                 }
             }
         }
-        Some(p)
+        let worker = p.worker;
+        for _ in 0..reserved {
+            self.reserve(worker, true);
+        }
+        self.reqs.get(&id)
     }
 
     /// Records request `id`; a second `add` for the same id replaces nothing (replicas may see
@@ -89,8 +130,13 @@ impl Speculative {
             return;
         }
         for w in workers(&p) {
-            for &h in &p.hashes {
-                let c = self.held.entry(slot(h, w)).or_default();
+            for (k, &h) in p.hashes.iter().enumerate() {
+                let c = self.held.entry(slot(h, w)).or_insert_with(|| Held {
+                    // Only the serving worker keeps the blocks while the request runs (a
+                    // prefill worker hands them over and caches them at once).
+                    reserving: w == p.worker && k >= p.cached as usize,
+                    ..Held::default()
+                });
                 c.all = c.all.saturating_add(1);
             }
         }
@@ -107,23 +153,34 @@ impl Speculative {
         if p.confirmed {
             self.confirmed = self.confirmed.saturating_sub(1);
         }
+        let mut released = 0u32;
         for w in workers(&p) {
             for &h in &p.hashes {
                 if let Entry::Occupied(mut e) = self.held.entry(slot(h, w)) {
                     let c = e.get_mut();
+                    let was_pinned = c.confirmed > 0;
+                    if c.all <= 1 {
+                        c.confirmed = 0;
+                    } else if p.confirmed {
+                        c.confirmed = c.confirmed.saturating_sub(1);
+                    }
+                    if was_pinned && c.confirmed == 0 && c.reserving {
+                        released += 1;
+                    }
                     if c.all <= 1 {
                         e.remove();
                     } else {
                         c.all -= 1;
-                        if p.confirmed {
-                            c.confirmed = c.confirmed.saturating_sub(1);
-                        }
                     }
                 }
             }
         }
+        for _ in 0..released {
+            self.reserve(p.worker, false);
+        }
         if self.reqs.is_empty() {
             self.confirmed = 0;
+            self.reserved.iter_mut().for_each(|r| *r = 0);
             // Every count is back to 0; drop a large allocation left by a huge prompt.
             self.held.clear();
             if self.held.capacity() > 4096 {
@@ -194,7 +251,12 @@ impl Speculative {
 #[derive(Debug, Default, Clone, Copy)]
 struct Held {
     all: u32,
-    confirmed: u32,
+    /// 16 bits keep the entry at 8 bytes; more confirmed requests than that sharing one
+    /// block on one worker is beyond any engine's batch.
+    confirmed: u16,
+    /// The block was new to the worker's KV when the first request holding it was routed
+    /// (see [`Speculative::reserved`]).
+    reserving: bool,
 }
 
 /// One u64 per (block, worker): the block hash (xxh3 output, not chosen by clients) moved by
@@ -221,6 +283,7 @@ mod tests {
             hashes: hashes.to_vec(),
             at_ms,
             confirmed: false,
+            cached: 0,
         }
     }
 
@@ -274,6 +337,49 @@ mod tests {
         assert!(s.take(2).is_some_and(|p| p.confirmed));
         assert_eq!(confirmed(&s), [0, 0]);
         assert_eq!((s.len(), s.unconfirmed()), (0, 0));
+    }
+
+    #[test]
+    fn confirmed_requests_reserve_their_new_blocks_once() {
+        let mut s = Speculative::default();
+        // Two leading blocks were cached when it was routed: three are new.
+        let mut a = pending(1, &[10, 11, 12, 13, 14], 1);
+        a.cached = 2;
+        s.add(1, a);
+        // Shares the first four with the first request and adds one of its own.
+        s.add(2, pending(1, &[10, 11, 12, 13, 20], 2));
+        s.add(3, pending(0, &[10, 11], 3));
+        assert_eq!(s.reserved(1), 0, "nothing runs before it is answered");
+        s.confirm(2);
+        // 10 and 11 were created by the first request as cached; 12, 13 and 20 are new.
+        assert_eq!(s.reserved(1), 3);
+        s.confirm(1);
+        assert_eq!(s.reserved(1), 4, "14; the shared ones count once");
+        s.confirm(3);
+        assert_eq!((s.reserved(0), s.reserved(1)), (2, 4));
+        s.take(2);
+        assert_eq!(
+            s.reserved(1),
+            3,
+            "20 is free; 12 and 13 are still held by the first"
+        );
+        s.take(1);
+        assert_eq!(s.reserved(1), 0);
+        assert_eq!(s.reserved(0), 2);
+        s.take(3);
+        assert_eq!((s.reserved(0), s.reserved(9)), (0, 0));
+    }
+
+    #[test]
+    fn a_prefill_worker_reserves_nothing() {
+        let mut s = Speculative::default();
+        let mut p = pending(0, &[7, 8], 1);
+        p.prefill = Some(2);
+        s.add(9, p);
+        s.confirm(9);
+        assert_eq!((s.reserved(0), s.reserved(2)), (2, 0));
+        s.take(9);
+        assert_eq!(s.reserved(0), 0);
     }
 
     #[test]
