@@ -700,9 +700,18 @@ def workload_args(cfg, load):
     # Synthetic: load is new sessions per simulated second and think_s simulated seconds;
     # loadgen's --rate and --think-ms are wall-clock, so the rate is multiplied by the fleet's
     # speedup and the think time divided by it.
-    return ["--workload", "synthetic", "--seed", str(cfg["seed"]), "--sessions", str(cfg["sessions"]),
+    return ["--workload", "synthetic", "--seed", str(cfg["seed"]), "--sessions", str(sessions_at(cfg, load)),
             "--turns", f"{cfg['turns'][0]}-{cfg['turns'][1]}", "--rate", f"{load * cfg['speedup']:g}",
             "--think-ms", f"{cfg['think_s'] * 1000 / cfg['speedup']:g}", "--speed", "1"] + list(cfg["loadgen_args"])
+
+
+def sessions_at(cfg, load):
+    """Sessions one synthetic run sends at `load`: the scenario's count, or more above its
+    sweep (`window_s`), so that sessions keep arriving for window_s simulated seconds. With a
+    fixed count a load past count / window_s only sends the same sessions sooner, until the
+    run is one burst of all of them and no higher load adds any: the goodput search could not
+    tell a router that holds the load from one that merely drains that burst in time."""
+    return max(cfg["sessions"], math.ceil(load * cfg.get("window_s", 0) - 1e-9))
 
 
 def oracle_label(setting):
@@ -1829,7 +1838,9 @@ def scenario_markdown(cfg, res):
               f"{cfg['max_input_tokens']} tokens; load = trace speed factor"
               + (f"; burst `{cfg['burst']}` (loadgen --burst AT:LEN:F)" if cfg.get("burst") else ""))
     else:
-        wl = (f"synthetic, {cfg['split_label']}, {cfg['sessions']} sessions of {cfg['turns'][0]}-{cfg['turns'][1]} "
+        more = (f" (above load {cfg['sessions'] / cfg['window_s']:g}: load x {cfg['window_s']:.3g} s of arrivals)"
+                if cfg.get("window_s") else "")
+        wl = (f"synthetic, {cfg['split_label']}, {cfg['sessions']} sessions{more} of {cfg['turns'][0]}-{cfg['turns'][1]} "
               f"turns, think {cfg['think_s']:g} s, `{' '.join(cfg['loadgen_args'])}`, max_tokens <= "
               f"{cfg['max_output']} (first {cfg['warmup']} requests not measured); load = new sessions per "
               "simulated second")
