@@ -69,17 +69,14 @@ impl Speculative {
         self.reserved.get(usize::from(w)).copied().unwrap_or(0)
     }
 
-    fn reserve(&mut self, w: WorkerId, up: bool) {
+    /// Adds `more` to worker `w`'s reserved blocks and takes `less` from them.
+    fn reserve(&mut self, w: WorkerId, more: u32, less: u32) {
         let wi = usize::from(w);
         if self.reserved.len() <= wi {
             self.reserved.resize(wi + 1, 0);
         }
         if let Some(r) = self.reserved.get_mut(wi) {
-            *r = if up {
-                r.saturating_add(1)
-            } else {
-                r.saturating_sub(1)
-            };
+            *r = r.saturating_add(more).saturating_sub(less);
         }
     }
 
@@ -117,9 +114,7 @@ impl Speculative {
             }
         }
         let worker = p.worker;
-        for _ in 0..reserved {
-            self.reserve(worker, true);
-        }
+        self.reserve(worker, reserved, 0);
         self.reqs.get(&id)
     }
 
@@ -159,25 +154,25 @@ impl Speculative {
                 if let Entry::Occupied(mut e) = self.held.entry(slot(h, w)) {
                     let c = e.get_mut();
                     let was_pinned = c.confirmed > 0;
-                    if c.all <= 1 {
+                    let last = c.all <= 1;
+                    if last {
                         c.confirmed = 0;
-                    } else if p.confirmed {
-                        c.confirmed = c.confirmed.saturating_sub(1);
+                    } else {
+                        c.all -= 1;
+                        if p.confirmed {
+                            c.confirmed = c.confirmed.saturating_sub(1);
+                        }
                     }
                     if was_pinned && c.confirmed == 0 && c.reserving {
                         released += 1;
                     }
-                    if c.all <= 1 {
+                    if last {
                         e.remove();
-                    } else {
-                        c.all -= 1;
                     }
                 }
             }
         }
-        for _ in 0..released {
-            self.reserve(p.worker, false);
-        }
+        self.reserve(p.worker, 0, released);
         if self.reqs.is_empty() {
             self.confirmed = 0;
             self.reserved.iter_mut().for_each(|r| *r = 0);
