@@ -69,8 +69,12 @@ MODEL = "mock-model"
 # max-batched-tokens 8192), so eviction and preemption happen as they would; kv_blocks,
 # block_size, max_num_seqs, max_batched_tokens override it when set. mock_flags are extra
 # mock-worker flags, e.g. "--enable-prompt-tokens-details" (real vLLM's defaults otherwise).
+# prefill_workers: how many of the workers are a prefill pool (`--role prefill`, handing the KV
+# to the decode worker kvroute names); kvroute then runs with disaggregation at its defaults,
+# every other policy routes to the decode workers only (bench/README.md, Prefill pool).
 COMMON = dict(
     workers=8,
+    prefill_workers=0,
     speedup=4.0,
     mock_preset="llama3-8b-h100",
     kv_blocks=None,
@@ -409,16 +413,22 @@ def resolve_capacity(cfg, logdir):
 
 
 def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None, kv_events=False):
-    """n mock workers; kv_events: each publishes vLLM-format KV cache events (PUB and replay
-    ports, for kvroute-relay)."""
+    """n mock workers (the scenario's fleet by default, its last prefill_workers a prefill
+    pool); kv_events: each publishes vLLM-format KV cache events (PUB and replay ports, for
+    kvroute-relay)."""
+    pool = 0 if n else prefill_pool(cfg)
     n = n or cfg["workers"]
+    ports = [free_port() for _ in range(n)]
+    decode_eps = ",".join(f"127.0.0.1:{p}" for p in ports[:n - pool])
     ws = []
-    for i in range(n):
-        port = free_port()
+    for i, port in enumerate(ports):
+        role = "prefill" if i >= n - pool else "both"
         argv = [MOCK, "--host", "127.0.0.1", "--port", str(port), "--name", f"w{i}",
                 "--model", MODEL,
                 "--speedup", str(speedup or cfg["speedup"])] + mock_args(cfg, kv_blocks)
-        w = dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}")
+        if role == "prefill":
+            argv += ["--role", "prefill", "--allowed-decode-endpoints", decode_eps]
+        w = dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", role=role)
         if kv_events:
             w.update(kv_events=free_port(), kv_replay=free_port())
             argv += ["--kv-events", f"tcp://127.0.0.1:{w['kv_events']}",
@@ -440,7 +450,30 @@ def kvroute_config(cfg, ws, extra):
 
 
 def upstreams(cfg, ws):
-    return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], kv_blocks=cfg["kv_blocks"]) for w in ws]
+    return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], w.get("role", "both"), kv_blocks=cfg["kv_blocks"])
+            for w in ws]
+
+
+def prefill_pool(cfg):
+    """Workers of the fleet that only prefill (`prefill_workers`), checked against its size."""
+    m = int(cfg.get("prefill_workers") or 0)
+    if m < 0 or m >= cfg["workers"]:
+        raise ValueError(f"prefill_workers {m}: must be 0 to workers - 1 ({cfg['workers'] - 1})")
+    return m
+
+
+def pool_note(cfg):
+    """How results.md names a fleet's prefill pool: the engines' hit rate counts a handed-off
+    prompt twice (prefill worker, then the decode worker that receives its KV), so it is not
+    comparable with a fleet without one."""
+    m = int(cfg.get("prefill_workers") or 0)
+    return (f" ({cfg['workers'] - m} decode, {m} a prefill pool (`--role prefill`), kvroute's disaggregation on; "
+            "other policies route to the decode workers; hit rates count a handed-off prompt on both sides)") if m else ""
+
+
+def decode_workers(ws):
+    """The workers a request can be answered by: a prefill pool's workers only hand off."""
+    return [w for w in ws if w.get("role") != "prefill"]
 
 
 def start_relay(cfg, ws, logdir, nats=None):
@@ -536,7 +569,7 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
 
 def start_peer(cfg, policy, ws, logdir):
     port = free_port()
-    urls = [w["url"] for w in ws]
+    urls = [w["url"] for w in decode_workers(ws)]
     if policy.startswith("sglang"):
         exe = SGLANG
         argv = [SGLANG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
@@ -750,11 +783,11 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             procs.append(np_)
         lg = [LOADGEN] + workload_args(cfg, speed) + [
               "--max-output", str(cfg["max_output"]),
-              "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(cfg["workers"]),
+              "--sim-speedup", str(cfg["speedup"]), "--model", MODEL, "--fleet-size", str(len(decode_workers(ws))),
               "--warmup", str(cfg["warmup"]), "--label", label, "--out", cell, "--timeout-s", "300",
               "--stream-usage", "on" if cfg.get("stream_usage", True) else "off"]
         if policy == "oracle":
-            lg += ["--oracle-workers", ",".join(w["url"] for w in ws),
+            lg += ["--oracle-workers", ",".join(w["url"] for w in decode_workers(ws)),
                    "--oracle-prefill-scale", str(cfg["oracle_prefill_scale"]),
                    "--oracle-held-weight", str(cfg["oracle_held_weight"])]
         else:
@@ -1845,7 +1878,7 @@ def scenario_markdown(cfg, res):
               f"{cfg['max_output']} (first {cfg['warmup']} requests not measured); load = new sessions per "
               "simulated second")
     L = ["", f"## Scenario {cfg['scenario']} ({cfg['split']})", "", cfg["description"] + "  ",
-         f"Fleet: {cfg['workers']} mock workers, Dynamo timing model, --speedup {cfg['speedup']:g}, "
+         f"Fleet: {cfg['workers']} mock workers{pool_note(cfg)}, Dynamo timing model, --speedup {cfg['speedup']:g}, "
          f"`{' '.join(mock_args(cfg))}` ({cfg['kv_blocks']} blocks x {cfg['block_size']} tokens of KV each)  ",
          f"Workload: {wl}  ",
          f"Infinite-cache reuse ceiling: {fmt(res.get('reuse_ceiling_all'))} of prompt tokens over the run, "

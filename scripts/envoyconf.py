@@ -585,10 +585,14 @@ def bench_site(port: int, admin: int, wasm: str) -> Site:
 
 
 def bench_plugin(fleet: list[Upstream], block_size: int, extra: dict | None = None) -> dict:
-    """bench/run.py's kvroute configuration: every worker decodes (no disaggregation)."""
-    c = {"workers": [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "kv_blocks": w.kv_blocks}
-                     for w in fleet],
-         "block_size": block_size, "debug_headers": False, "disaggregation": {"threshold_tokens": 0}}
+    """bench/run.py's kvroute configuration: without a prefill pool every worker decodes and
+    disaggregation is off; with one, the pool's workers say so and disaggregation keeps its
+    defaults."""
+    pool = any(w.role == "prefill" for w in fleet)
+    c = {"workers": [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "kv_blocks": w.kv_blocks,
+                      **({"role": w.role} if pool else {})} for w in fleet],
+         "block_size": block_size, "debug_headers": False,
+         "disaggregation": {} if pool else {"threshold_tokens": 0}}
     for k, v in (extra or {}).items():
         if isinstance(v, dict):
             c.setdefault(k, {}).update(v)

@@ -293,6 +293,10 @@ pub struct DisaggConfig {
     /// Use the prefill pool when the uncached tokens on the chosen worker exceed this.
     /// 0 disables disaggregation. Dynamo's default is 5000.
     pub threshold_tokens: u32,
+    /// Use the pool only when prefilling there costs no more than on the decode worker (the
+    /// wait for it, the delay to requests queued behind it, the streams it slows). Off, every
+    /// prompt over the threshold goes to the pool (llm-d's rule).
+    pub compare_cost: bool,
     pub mode: DisaggMode,
     pub decode_header: String,
     pub prefiller_header: String,
@@ -302,6 +306,7 @@ impl Default for DisaggConfig {
     fn default() -> Self {
         Self {
             threshold_tokens: 5000,
+            compare_cost: true,
             mode: DisaggMode::Kvroute,
             decode_header: "x-kvroute-decode-endpoint".into(),
             prefiller_header: "x-prefiller-host-port".into(),

@@ -419,18 +419,14 @@ impl Router {
                 );
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
-                    // The pool only pays when its queue lets the prefill finish no later than
-                    // on the decode worker; equal waits go to the pool, which keeps the long
-                    // prefill from stalling the decode worker's other streams.
-                    let wait = |c: &[Candidate], w: WorkerId, overlap: u32| {
-                        c.iter().find(|c| c.id == w).map_or(f64::INFINITY, |c| {
-                            c.load.prefill_tokens
-                                + f64::from(select::uncached_tokens(prompt_tokens, overlap))
-                        })
-                    };
-                    let pool_wait = wait(&cands, pp.id, pp.overlap_tokens);
-                    let local_wait = wait(&decode_cands, pick.id, pick.overlap_tokens);
-                    if pool_wait <= local_wait {
+                    // The pool only pays when prefilling there costs no more than on the
+                    // decode worker, by the terms that price a prefill wherever it runs: the
+                    // wait for it, the delay it adds to whoever queues behind it, and the
+                    // passes its streams sit out. Equal costs go to the pool.
+                    let pool_cost = select::prefill_cost(&self.sel, &cands, pp.id, &shape);
+                    let local_cost =
+                        select::prefill_cost(&self.sel, &decode_cands, pick.id, &shape);
+                    if pool_cost <= local_cost || !self.cfg.disaggregation.compare_cost {
                         prefill = Some(pp.id);
                         serve_overlap = pp.overlap_tokens;
                     }
@@ -1144,6 +1140,18 @@ mod tests {
         // Two pool workers against four decode workers: the pool takes its share, not all.
         assert!((2..=6).contains(&pool), "pool {pool}, local {local}");
         assert!(local >= 6, "pool {pool}, local {local}");
+    }
+
+    /// Without the wait comparison every prompt over the threshold goes to the pool, however
+    /// deep its queue (llm-d's rule).
+    #[test]
+    fn prefill_pool_takes_every_long_prompt_without_the_wait_comparison() {
+        let extra = r#","disaggregation":{"threshold_tokens":1000,"compare_cost":false}"#;
+        let mut r = Router::new(cfg(extra), 1, 3);
+        for i in 0..12 {
+            let d = routed(r.route(ApiKind::Completions, &completion(&doc(100 + i, 40_000)), i));
+            assert!(d.prefill.is_some(), "request {i} prefilled locally");
+        }
     }
 
     #[test]

@@ -262,6 +262,18 @@ pub fn cost(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> f
     terms(p, c, r, pool).total()
 }
 
+/// What prefilling `r` on `w`, one of `cands`, costs: the wait for it, the delay it adds to
+/// whoever queues behind it and the passes the streams there sit out ([`CostTerms`]'
+/// prefill, recompute and interference); infinite when `w` is not among `cands`. Compares a
+/// prefill pool worker with the decode worker chosen for the request.
+pub fn prefill_cost(p: &SelectParams, cands: &[Candidate], w: WorkerId, r: &RequestShape) -> f64 {
+    let pool = Pool::of(cands);
+    cands.iter().find(|c| c.id == w).map_or(f64::INFINITY, |c| {
+        let t = terms(p, c, r, &pool);
+        t.prefill + t.recompute + t.interference
+    })
+}
+
 /// The terms [`cost`] adds up, each in KV blocks (debug headers show them).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CostTerms {
@@ -571,6 +583,45 @@ mod tests {
             Outcome::Picked(p) => p,
             other => panic!("expected a pick, got {other:?}"),
         }
+    }
+
+    /// A cold 8k-token prompt: the prefill pool's queue is a little longer than the decode
+    /// worker's, but the decode worker has six short requests waiting and twenty streams
+    /// running, all of which a local prefill would hold up; the pool costs less.
+    #[test]
+    fn a_prefill_costs_the_requests_queued_behind_it_too() {
+        let p = SelectParams::default();
+        let pool = cand(
+            0,
+            0,
+            WorkerView {
+                prefill_tokens: 2000.0,
+                prefilling: 1,
+                inflight: 1,
+                ..idle()
+            },
+        );
+        let decode = cand(
+            1,
+            0,
+            WorkerView {
+                prefill_tokens: 1500.0,
+                prefilling: 6,
+                inflight: 20,
+                ..idle()
+            },
+        );
+        let r = shape(8000);
+        assert!(pool.load.prefill_tokens > decode.load.prefill_tokens);
+        let on_pool = prefill_cost(&p, &[pool], 0, &r);
+        let on_decode = prefill_cost(&p, &[decode], 1, &r);
+        assert!(on_pool < on_decode, "pool {on_pool} decode {on_decode}");
+        // Alone with the same load the two cost the same; an unknown worker never wins.
+        assert_eq!(
+            prefill_cost(&p, &[pool], 0, &r),
+            prefill_cost(&p, &[cand(1, 0, pool.load)], 1, &r)
+        );
+        assert_eq!(prefill_cost(&p, &[pool], 7, &r), f64::INFINITY);
     }
 
     #[test]
