@@ -926,6 +926,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
             f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, "
+            + (f"handed off {s['handed_off']}/{s.get('ok', '?')}, " if s.get("handed_off") else "")
             + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request, " if "router_cpu_s" in s else "")
             + f"{s['wall_s']:.0f} s wall"
             + ("" if precise is None else " | " + precise_text(precise))

@@ -54,6 +54,11 @@ pub struct Outcome {
     /// kvroute's per-candidate costs (`x-kvroute-costs`, present when its debug headers are
     /// on): why the request went where it went.
     pub route_costs: String,
+    /// The prefill pool worker that computed the prompt and handed its KV to `worker`
+    /// (`x-prefill-worker-id`), and the prompt tokens its own cache held
+    /// (`x-prefill-cached-tokens`); empty / None when the request was not handed off.
+    pub prefill_worker: String,
+    pub prefill_cached_tokens: Option<u64>,
 }
 
 /// Name of the mock's engine-timing report (a header, or an SSE comment line).
@@ -133,6 +138,10 @@ async fn send_inner(
     o.status = resp.status().as_u16();
     o.worker = header_str(resp.headers(), "x-worker-id");
     o.route_costs = header_str(resp.headers(), "x-kvroute-costs");
+    o.prefill_worker = header_str(resp.headers(), "x-prefill-worker-id");
+    o.prefill_cached_tokens = header_str(resp.headers(), "x-prefill-cached-tokens")
+        .parse()
+        .ok();
     read_engine_timing(&header_str(resp.headers(), ENGINE_TIMING), &mut o);
     let streaming = header_str(resp.headers(), "content-type").starts_with("text/event-stream");
     let mut body = resp.into_body();

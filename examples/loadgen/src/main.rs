@@ -569,6 +569,10 @@ pub async fn dispatch(ctx: &Arc<Ctx>, mut job: Job) -> Outcome {
     if !o.route_costs.is_empty() {
         rec["route_costs"] = json!(o.route_costs);
     }
+    if !o.prefill_worker.is_empty() {
+        rec["prefill_worker"] = json!(o.prefill_worker);
+        rec["prefill_cached_tokens"] = json!(o.prefill_cached_tokens);
+    }
     if let Some(c) = oracle_cached {
         rec["oracle_probe_cached"] = json!(c);
         rec["probe_s"] = json!(probe_s);

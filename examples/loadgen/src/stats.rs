@@ -195,6 +195,8 @@ pub fn summarize(a: &Args, records: &[Value], gaps: Vec<(usize, Vec<f32>)>) -> V
         "fleet_size": n_workers,
         "per_worker": per_worker,
         "max_over_mean_requests": if mean_req > 0.0 { max_req / mean_req } else { 0.0 },
+        // Requests a prefill pool computed and handed to their decode worker.
+        "handed_off": ok.iter().filter(|r| r["prefill_worker"].is_string()).count(),
     })
 }
 
