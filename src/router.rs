@@ -1142,10 +1142,10 @@ mod tests {
         assert!(local >= 6, "pool {pool}, local {local}");
     }
 
-    /// Without the wait comparison every prompt over the threshold goes to the pool, however
+    /// Without the cost comparison every prompt over the threshold goes to the pool, however
     /// deep its queue (llm-d's rule).
     #[test]
-    fn prefill_pool_takes_every_long_prompt_without_the_wait_comparison() {
+    fn prefill_pool_takes_every_long_prompt_without_the_cost_comparison() {
         let extra = r#","disaggregation":{"threshold_tokens":1000,"compare_cost":false}"#;
         let mut r = Router::new(cfg(extra), 1, 3);
         for i in 0..12 {
