@@ -466,7 +466,7 @@ def pool_note(cfg):
     """How results.md names a fleet's prefill pool: the engines' hit rate counts a handed-off
     prompt twice (prefill worker, then the decode worker that receives its KV), so it is not
     comparable with a fleet without one."""
-    m = int(cfg.get("prefill_workers") or 0)
+    m = prefill_pool(cfg)
     return (f" ({cfg['workers'] - m} decode, {m} a prefill pool (`--role prefill`), kvroute's disaggregation on; "
             "other policies route to the decode workers; hit rates count a handed-off prompt on both sides)") if m else ""
 

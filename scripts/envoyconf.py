@@ -589,8 +589,9 @@ def bench_plugin(fleet: list[Upstream], block_size: int, extra: dict | None = No
     disaggregation is off; with one, the pool's workers say so and disaggregation keeps its
     defaults."""
     pool = any(w.role == "prefill" for w in fleet)
-    c = {"workers": [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "kv_blocks": w.kv_blocks,
-                      **({"role": w.role} if pool else {})} for w in fleet],
+    workers = plugin_workers(fleet) if pool else [
+        {"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "kv_blocks": w.kv_blocks} for w in fleet]
+    c = {"workers": workers,
          "block_size": block_size, "debug_headers": False,
          "disaggregation": {} if pool else {"threshold_tokens": 0}}
     for k, v in (extra or {}).items():

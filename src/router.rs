@@ -423,10 +423,10 @@ impl Router {
                     // decode worker, by the terms that price a prefill wherever it runs: the
                     // wait for it, the delay it adds to whoever queues behind it, and the
                     // passes its streams sit out. Equal costs go to the pool.
-                    let pool_cost = select::prefill_cost(&self.sel, &cands, pp.id, &shape);
-                    let local_cost =
-                        select::prefill_cost(&self.sel, &decode_cands, pick.id, &shape);
-                    if pool_cost <= local_cost || !self.cfg.disaggregation.compare_cost {
+                    let pool_pays = !self.cfg.disaggregation.compare_cost
+                        || select::prefill_cost(&self.sel, &cands, pp.id, &shape)
+                            <= select::prefill_cost(&self.sel, &decode_cands, pick.id, &shape);
+                    if pool_pays {
                         prefill = Some(pp.id);
                         serve_overlap = pp.overlap_tokens;
                     }
