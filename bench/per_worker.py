@@ -70,7 +70,7 @@ def placement(recs, trace, start, block_tokens, lru_blocks):
     seen = set()
     tot = ceil = best = own = act = 0
     for r in sorted(recs, key=lambda r: r["t"]):
-        if not r.get("worker") or start + r["i"] >= len(trace):
+        if not r.get("worker") or r.get("status") != 200 or start + r["i"] >= len(trace):
             continue
         h = trace[start + r["i"]]["hash_ids"]
         n = r["prompt_tokens"]
