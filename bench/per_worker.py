@@ -30,7 +30,7 @@ import run  # noqa: E402  (trace_path: where the Mooncake traces live)
 
 # The mock's pass model (examples/mock-worker/src/engine.rs `pass_ms`, Dynamo's H100 fit):
 # ms = 4.21e-7 t^2 + 0.01518 t + 16.5 + 2 x 4.21e-7 x t x (tokens already in context).
-# Prefill runs in chunks of at most max_batched_tokens (the preset's 8192).
+# Prefill runs in chunks of at most max_batched_tokens: the run's, else the preset's 8192.
 CHUNK = 8192
 
 
@@ -49,7 +49,7 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def per_worker(recs):
+def per_worker(recs, chunk=CHUNK):
     by = collections.defaultdict(list)
     for r in recs:
         if r.get("worker") and r.get("status") == 200:
@@ -58,7 +58,7 @@ def per_worker(recs):
     for w, rs in by.items():
         tp = [r["tpot_sim"] for r in rs if r.get("tpot_sim") is not None]
         unc = sum(r["prompt_tokens"] - (r.get("cached_tokens") or 0) for r in rs)
-        work = sum(prefill_s(r["prompt_tokens"], r.get("cached_tokens") or 0) for r in rs)
+        work = sum(prefill_s(r["prompt_tokens"], r.get("cached_tokens") or 0, chunk) for r in rs)
         rows.append((w, len(rs), unc, work, pct(tp, 0.5), pct(tp, 0.9)))
     return sorted(rows, key=lambda x: x[3])
 
@@ -133,7 +133,7 @@ def main():
             recs = [json.loads(line) for line in f]
         print(f"{scen} {pol} at {a.load}: worker, requests, uncached prompt tokens, prefill s "
               f"(simulated, alone), TPOT p50 / p90 (simulated s)")
-        for w, n, unc, work, p50, p90 in per_worker(recs):
+        for w, n, unc, work, p50, p90 in per_worker(recs, cfg.get("max_batched_tokens") or CHUNK):
             print(f"  {w:>6} {n:5d} {unc:10d} {work:8.1f}   {p50:.3f} / {p90:.3f}")
         if trace is not None:
             if not any(r.get("cached_tokens") for r in recs):
