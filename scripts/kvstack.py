@@ -286,11 +286,22 @@ class Replicas:
         return self
 
     def stop(self) -> None:
+        # `Stack.stop(workers=False)` leaves the relay up (a single-gateway stack's relay
+        # belongs with its workers): each replica's relay is its own, so it goes here.
         for g in self.gateways:
             g.stop(workers=False)
+            if g.relay:
+                g.relay.stop()
         self.nats.stop()
         for w in self.workers:
             w.stop()
+
+    def processes(self) -> list[subprocess.Popen]:
+        """Every process this stack started (to check that none outlives `stop`)."""
+        procs = [self.nats.proc, *(w.proc for w in self.workers)]
+        for g in self.gateways:
+            procs += [g.envoy, g.relay.proc if g.relay else None]
+        return [p for p in procs if p is not None]
 
     def __enter__(self):
         return self.start()

@@ -54,13 +54,43 @@ def conversations(r: Replicas, n: int, turns: int = 3, pause: float = 0.05) -> f
     return same / total
 
 
+def survivors(r: Replicas) -> list[str]:
+    """Relay and nats-server processes of `r` still running: its own handles, and any
+    process on the machine whose command line names one of its relay or NATS ports."""
+    left = [" ".join(p.args) for p in r.processes()
+            if p.poll() is None and os.path.basename(str(p.args[0])) in ("kvroute-relay", "nats-server")]
+    ports = {str(r.nats.port)} | {str(g.relay.port) for g in r.gateways if g.relay}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+        except OSError:
+            continue
+        cmd = " ".join(argv)
+        if zombie or not any(t in cmd for t in ("kvroute-relay", "nats-server")):
+            continue
+        if any(f":{port}" in a or a == port for a in argv for port in ports) and cmd not in left:
+            left.append(cmd)
+    return left
+
+
+def stop_and_check(r: Replicas) -> None:
+    r.stop()
+    left = survivors(r)
+    assert not left, f"still running after Replicas.stop(): {left}"
+
+
 @pytest.fixture(scope="module")
 def replicas():
     r = Replicas(fleet(), n=2, kvroute={"disaggregation": {"threshold_tokens": 0}}).start()
     for g in r.gateways:
         g.wait_relay_live()
     yield r
-    r.stop()
+    stop_and_check(r)
 
 
 def test_the_next_turn_on_the_other_gateway_lands_on_the_same_worker(replicas):
@@ -78,7 +108,7 @@ def test_without_sharing_the_other_gateway_does_not_know_the_conversation():
             g.wait_relay_live()
         alone = conversations(r, 12)
     finally:
-        r.stop()
+        stop_and_check(r)
     print(f"\nturns on the worker of the previous turn, gateways alternating: sharing off {alone:.0%}")
     assert alone < 0.9
 
@@ -124,3 +154,13 @@ def test_a_gateway_that_dies_leaves_no_phantom_load(replicas):
     chat(b, msgs)
     a.start_envoy(log_name="envoy-0")
     a.wait_relay_live()
+
+
+def test_stop_leaves_no_relay_or_nats_behind():
+    """`Replicas.stop()` once stopped the gateways without their relays: after `make test`,
+    four `kvroute-relay --nats` processes were still running."""
+    r = Replicas(fleet(2), n=2).start()
+    try:
+        assert len([p for p in r.processes() if p.poll() is None]) == 2 + 1 + 2 * 2  # workers, nats, envoy+relay each
+    finally:
+        stop_and_check(r)
