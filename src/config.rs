@@ -360,11 +360,26 @@ impl Default for LoadConfig {
 pub struct HealthConfig {
     /// How long a worker that failed (5xx, 429, connect error) is avoided.
     pub cooldown_ms: u64,
+    /// The least time a try may wait for its worker's response headers before Envoy resets
+    /// it and retries on another worker (`x-envoy-upstream-rq-per-try-timeout-ms`, set per
+    /// request, see `crate::stall`). 0: no per-try bound.
+    pub first_byte_timeout_ms: u64,
+    /// The bound also grows with the predicted prefill ahead of the answer (the worker's
+    /// queued prefill plus this prompt, at `load.prefill_tokens_per_s`), times this.
+    pub prefill_slack: f64,
+    /// A non-streaming answer sends its headers only when the whole generation is done: its
+    /// bound grows by this per `max_tokens` token. Without `max_tokens` it gets no bound.
+    pub output_token_ms: u64,
 }
 
 impl Default for HealthConfig {
     fn default() -> Self {
-        Self { cooldown_ms: 5_000 }
+        Self {
+            cooldown_ms: 5_000,
+            first_byte_timeout_ms: 30_000,
+            prefill_slack: 4.0,
+            output_token_ms: 100,
+        }
     }
 }
 
@@ -687,6 +702,10 @@ impl Config {
         }
         if self.load.request_ttl_ms == 0 {
             return Err(err("load.request_ttl_ms", "must be at least 1"));
+        }
+        let slack = self.health.prefill_slack;
+        if !(slack.is_finite() && slack >= 0.0) {
+            return Err(err("health.prefill_slack", "must be a finite number >= 0"));
         }
         let tps = self.load.prefill_tokens_per_s;
         if !(tps.is_finite() && tps > 0.0) {

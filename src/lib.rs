@@ -20,6 +20,7 @@ pub mod request;
 pub mod rng;
 pub mod router;
 pub mod select;
+pub mod stall;
 pub mod steer;
 pub mod tokenize;
 

@@ -15,6 +15,7 @@ use crate::picks::{self, Pick};
 use crate::request::{parse, ApiKind, ParseError, Prompt};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
+use crate::stall;
 use std::collections::VecDeque;
 
 /// Why a request was not cache-routed (it still goes to the least-loaded healthy worker).
@@ -70,6 +71,8 @@ pub struct Decision {
     /// `stream_options.include_usage`), so no chunk before the last carries it, or it was
     /// not sampled for usage (`limits.usage_read_every`).
     pub usage_at_end_only: bool,
+    /// How long a try may wait for the worker's response headers (`crate::stall`).
+    pub first_byte_timeout_ms: Option<u64>,
 }
 
 impl Decision {
@@ -330,6 +333,7 @@ impl Router {
         };
         // The parsed prompt (a batch's every entry) is not needed past hashing.
         let max_tokens = req.max_tokens;
+        let stream = req.stream;
         let usage_at_end_only = req.stream && !(req.include_usage && self.read_usage());
         drop(req);
         let bs = self.cfg.block_size.max(1);
@@ -466,6 +470,16 @@ impl Router {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
         };
+        let view = self.worker_view(target, now_ms);
+        let first_byte_timeout_ms = stall::first_byte_timeout_ms(
+            &self.cfg,
+            &stall::Wait {
+                prefill_tokens: view.prefill_tokens,
+                prefilling: view.prefilling,
+                stream,
+                max_tokens,
+            },
+        );
         RouteResult::Routed(Decision {
             id,
             target,
@@ -482,6 +496,7 @@ impl Router {
             prompt_bytes_est: prompt_bytes,
             considered,
             usage_at_end_only,
+            first_byte_timeout_ms,
         })
     }
 
@@ -524,6 +539,8 @@ impl Router {
             considered: Vec::new(),
             // The body was not read: every chunk might carry usage.
             usage_at_end_only: false,
+            // Nothing says how long its answer may take.
+            first_byte_timeout_ms: None,
         })
     }
 

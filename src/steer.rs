@@ -149,7 +149,7 @@ fn percent_decode(s: &[u8]) -> Vec<u8> {
 /// ORCA request.
 pub fn request_headers<'a>(r: &'a Router, d: &Decision) -> Vec<(&'a str, Cow<'a, str>)> {
     let cfg = r.config();
-    let mut out = Vec::with_capacity(3);
+    let mut out = Vec::with_capacity(4);
     let header = cfg.steering.header_name();
     match cfg.steering.mode {
         SteeringMode::Cluster => out.push((header, Cow::Borrowed(r.worker_cluster(d.target)))),
@@ -173,6 +173,9 @@ pub fn request_headers<'a>(r: &'a Router, d: &Decision) -> Vec<(&'a str, Cow<'a,
         }
     }
     out.push((ORCA_REQUEST, Cow::Borrowed("TEXT")));
+    if let Some(ms) = d.first_byte_timeout_ms {
+        out.push((crate::stall::PER_TRY_TIMEOUT, Cow::Owned(ms.to_string())));
+    }
     out
 }
 
@@ -364,6 +367,31 @@ mod tests {
             Config::from_json(br#"{"workers":[{"name":"a","endpoint":"10.0.0.1:80"}],"steering":{"mode":"endpoint"}}"#)
                 .unwrap();
         assert_eq!(Intercept::from_config(&cfg).strip().len(), 5);
+    }
+
+    #[test]
+    fn a_request_carries_its_per_try_bound() {
+        let mut r = router(r#","disaggregation":{"threshold_tokens":0}"#);
+        let body = br#"{"model":"m","prompt":"hello there","max_tokens":10}"#;
+        let RouteResult::Routed(d) = r.route(ApiKind::Completions, body, 0) else {
+            panic!("rejected")
+        };
+        // 30 s floor + 4 x the prefill estimate + 10 tokens x 100 ms.
+        let ms: u64 = get(&request_headers(&r, &d), crate::stall::PER_TRY_TIMEOUT)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((31_000..31_200).contains(&ms), "{ms}");
+        // No max_tokens and not a stream: no bound, Envoy's route decides.
+        let body = br#"{"model":"m","prompt":"hello there"}"#;
+        let RouteResult::Routed(d) = r.route(ApiKind::Completions, body, 0) else {
+            panic!("rejected")
+        };
+        assert_eq!(d.first_byte_timeout_ms, None);
+        assert_eq!(
+            get(&request_headers(&r, &d), crate::stall::PER_TRY_TIMEOUT),
+            None
+        );
     }
 
     #[test]

@@ -845,22 +845,23 @@ fn failed_host_calls_are_counted() {
     vm.f().failing.push("set_header");
     let (_h, a) = vm.post("errors");
     assert_eq!(a, Action::Continue);
-    // The two request headers (steering, ORCA) failed; no header to strip was sent.
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 2);
+    // The three request headers (steering, ORCA, per-try bound) failed; no header to strip
+    // was sent.
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 3);
     assert_eq!(vm.req_header("x-kvroute-cluster"), None);
     vm.f().failing.clear();
     let (mut h, _) = vm.post("errors");
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 2);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 3);
     vm.f().failing = vec!["property", "header", "headers"];
     vm.answer(&mut h, "200", &[]);
     // The header map, then (one by one) :status, the ORCA header, the attempt count, and
     // the upstream address (the code details are read only for a 5xx).
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 7);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 8);
     // An unreadable :method passes the request through.
     vm.request("POST", "/v1/completions", &[]);
     let mut h = vm.http();
     assert_eq!(h.on_http_request_headers(2, false), Action::Continue);
-    assert_eq!(vm.counter("kvroute.host_errors.total"), 10);
+    assert_eq!(vm.counter("kvroute.host_errors.total"), 11);
 }
 
 #[test]
@@ -1687,4 +1688,21 @@ fn the_index_insert_waits_until_the_first_byte_has_gone() {
     vm.body_chunk(&mut h, b"{}", true);
     vm.done(&mut h);
     assert_eq!(vm.held(d.hashes())[w], 0);
+}
+
+#[test]
+fn a_routed_request_tells_envoy_how_long_a_try_may_wait() {
+    let vm = Vm::new(NO_DISAGG);
+    let _ = vm.post("bounded");
+    // 30 s floor + 4 x the prefill estimate + 4 tokens x 100 ms (not a stream).
+    let ms: u64 = vm
+        .req_header("x-envoy-upstream-rq-per-try-timeout-ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!((30_400..30_600).contains(&ms), "{ms}");
+    let _ = vm.post_json(serde_json::json!({"model":"m","prompt":"unbounded"}));
+    assert_eq!(
+        vm.req_header("x-envoy-upstream-rq-per-try-timeout-ms"),
+        None
+    );
 }
