@@ -143,6 +143,14 @@ def retry_policy(explain: bool = True) -> dict:
             "a gRPC front end). Envoy never retries once response headers went to the\n"
             "client, so a stream is never duplicated; a worker's own 4xx/5xx passes\n"
             "through and kvroute counts it against the worker."): None,
+        why("A worker that accepts a request and never answers: kvroute sets\n"
+            "x-envoy-upstream-rq-per-try-timeout-ms on each request it steers, a bound on the\n"
+            "wait for response headers from its prefill estimate (and, for a non-streaming\n"
+            "answer, its max_tokens; README \"Timeouts\"). Envoy resets a try that outlives\n"
+            "it and `reset` retries it on another worker, which kvroute counts against the\n"
+            "stalled one (x-envoy-attempt-count > 1). The bound is disarmed once headers went\n"
+            "to the client, so it never cuts a stream; no per_try_idle_timeout here, as an idle\n"
+            "bound would also cut non-streaming answers, which send nothing until done."): None,
         "retry_on": "connect-failure,refused-stream,reset,unavailable",
         "num_retries": 2,
         why("Each worker's cluster is [priority 0: the worker, priority 1: the rest of its\n"
@@ -386,7 +394,9 @@ def bootstrap(site: Site, fleet: list[Upstream], plugin: dict | None = None,
              "xff_num_trusted_hops to the number of such hops."): None,
         "use_remote_address": True,
         "xff_num_trusted_hops": 0,
-        Note("Generation streams for minutes: no idle cut-off shorter than that."): None,
+        Note("Generation streams for minutes: no idle cut-off shorter than that. A worker that\n"
+             "stalls after its response headers went out is cut here (one that stalls before is\n"
+             "cut per try, see retry_policy); Envoy cannot retry it then anyway."): None,
         "stream_idle_timeout": site.stream_idle_timeout,
         Note("But the request itself must arrive in time: kvroute holds a stream paused until the\n"
              "body is in, so a client that stalls mid-body gets 408 here instead of holding it for\n"
