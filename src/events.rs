@@ -203,6 +203,61 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
     }
 }
 
+/// What a gateway tells other gateways (see `precise::peers`): its own decisions and their
+/// end. Health, load reports, forgetting and calibration are each gateway's own observation;
+/// engine state comes from each gateway's own relay.
+fn shared_with_peers(tag: u8) -> bool {
+    matches!(
+        tag,
+        TAG_ROUTED | TAG_PREFILL_DONE | TAG_CONFIRMED | TAG_FREE
+    )
+}
+
+/// Whether `e` is of a kind a gateway shares with other gateways.
+pub fn is_peer_event(e: &Event) -> bool {
+    shared_with_peers(e.tag())
+}
+
+/// A replication message of this process cut down to what other gateways are told: only
+/// the frames [`is_peer_event`] keeps, copied without decoding, and split so that no message
+/// carries more than `max_routed` decisions (receivers refuse a message with more). Empty
+/// when nothing is left; an unframed or unreadable message yields nothing.
+pub fn peer_messages(msg: &[u8], max_routed: usize) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    let (Some(&VERSION), Some(head)) = (msg.first(), msg.get(..9)) else {
+        return out;
+    };
+    let mut r = Reader(msg.get(9..).unwrap_or_default());
+    let mut cur: Vec<u8> = Vec::new();
+    let mut routed = 0;
+    while let Some(tag) = r.u8() {
+        let Some(len) = r.u32() else { break };
+        let Some(body) = r.take(len as usize) else {
+            break;
+        };
+        if !shared_with_peers(tag) {
+            continue;
+        }
+        if tag == TAG_ROUTED {
+            if routed == max_routed.max(1) {
+                out.push(core::mem::take(&mut cur));
+                routed = 0;
+            }
+            routed += 1;
+        }
+        if cur.is_empty() {
+            cur.extend_from_slice(head);
+        }
+        cur.push(tag);
+        put_u32(&mut cur, len);
+        cur.extend_from_slice(body);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
 /// One message as received: what could be read and how many events could not.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decoded {
@@ -637,6 +692,43 @@ mod tests {
         assert_eq!(d.events, vec![report(0.5)]);
         assert_eq!(d.skipped, 2);
         assert_eq!(d.first_error, Some(DecodeError::Invalid));
+    }
+
+    #[test]
+    fn peer_messages_keep_decisions_and_their_end_only() {
+        let evs = all();
+        let msgs = peer_messages(&encode(42, &evs), 1);
+        let back: Vec<Event> = msgs
+            .iter()
+            .flat_map(|m| {
+                let (sent, evs) = decode(m).unwrap();
+                assert_eq!(sent, 42);
+                evs
+            })
+            .collect();
+        let want: Vec<Event> = evs.into_iter().filter(is_peer_event).collect();
+        assert_eq!(back, want);
+        assert_eq!(
+            want.len(),
+            5,
+            "two decisions, prefill done, confirmed, free"
+        );
+        // At most one decision per message here: the two decisions went out apart.
+        assert_eq!(msgs.len(), 2);
+        for m in &msgs {
+            let n = decode(m)
+                .unwrap()
+                .1
+                .iter()
+                .filter(|e| matches!(e, Event::Routed(_)))
+                .count();
+            assert!(n <= 1);
+        }
+        // Nothing to share, or nothing readable: nothing sent.
+        let health = encode(1, &[Event::Recovered { worker: 1 }]);
+        assert!(peer_messages(&health, 64).is_empty());
+        assert!(peer_messages(&[], 64).is_empty());
+        assert!(peer_messages(&[VERSION_UNFRAMED, 0, 0, 0, 0, 0, 0, 0, 0], 64).is_empty());
     }
 
     #[test]

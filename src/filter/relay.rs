@@ -42,6 +42,15 @@ pub struct RelayStream {
     sharing: bool,
     /// The last failure was logged; the next one is not until the stream was live again.
     quiet: bool,
+    /// The open stream carries a token (`relay.token_env`), for the refusal's log line.
+    sent_token: bool,
+    /// The relay's refusal (UNAUTHENTICATED) was logged: it is logged even when the failure
+    /// before it was (relay down).
+    unauthenticated_logged: bool,
+    /// Other gateways' charges here, against the caps on what one peer may charge.
+    peers: peers::Peers,
+    /// A refused peer event was logged (once per VM: the counters say the rest).
+    refusal_logged: bool,
 }
 
 impl RelayStream {
@@ -82,6 +91,7 @@ impl State {
             {
                 self.relay_drop("the relay sent no complete snapshot within 30 s", true);
             } else {
+                self.relay.peers.expire(now);
                 // The gauges are one per process, shared by every VM: the holder restates
                 // them, so a VM that handed the stream over cannot leave them wrong.
                 let fed = self.relay.feed.fed_workers() as u64;
@@ -99,7 +109,18 @@ impl State {
         }
         let share = self.router.config().relay.share_decisions;
         let gateway = self.gateway_name();
-        let Some(token) = self.host.grpc_open(&cluster, SERVICE, METHOD) else {
+        let bearer = match self.relay_bearer() {
+            Ok(b) => b,
+            Err(why) => {
+                self.relay_failed(&why);
+                return;
+            }
+        };
+        let metadata: Vec<(&str, &[u8])> = bearer
+            .iter()
+            .map(|b| ("authorization", b.as_bytes()))
+            .collect();
+        let Some(token) = self.host.grpc_open(&cluster, SERVICE, METHOD, &metadata) else {
             self.relay_failed(&format!(
                 "could not open a gRPC stream on cluster {cluster} (unknown cluster?)"
             ));
@@ -118,9 +139,26 @@ impl State {
             return;
         }
         self.relay.token = Some(token);
+        self.relay.sent_token = bearer.is_some();
         self.relay.opened_ms = now;
         self.relay.sharing = share;
         self.relay.feed.restart();
+    }
+
+    /// `Bearer <token>` from the VM's environment variable `relay.token_env`, if it is set.
+    /// The token is never logged.
+    fn relay_bearer(&self) -> Result<Option<String>, String> {
+        let var = &self.router.config().relay.token_env;
+        let token = match (var.is_empty(), self.host.env(var)) {
+            (false, Some(t)) if !t.is_empty() => t,
+            _ => return Ok(None),
+        };
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "the relay token in {var} (relay.token_env) is not printable ASCII without spaces"
+            ));
+        }
+        Ok(Some(format!("Bearer {token}")))
     }
 
     /// This process's gateway name: made once by the first VM that holds the stream and kept
@@ -158,12 +196,15 @@ impl State {
         if !self.relay.sharing_now() {
             return;
         }
-        if self.relay.out_bytes + msg.len() > SHARE_BUFFER_BYTES {
-            self.metrics.peers_dropped.inc();
-            return;
+        // Only decisions and their end leave, in messages peers accept (`precise::peers`).
+        for m in events::peer_messages(msg, peers::MAX_ROUTED_PER_MESSAGE) {
+            if self.relay.out_bytes + m.len() > SHARE_BUFFER_BYTES {
+                self.metrics.peers_dropped.inc();
+                continue;
+            }
+            self.relay.out_bytes += m.len();
+            self.relay.out.push(m);
         }
-        self.relay.out_bytes += msg.len();
-        self.relay.out.push(msg.to_vec());
     }
 
     /// Sends the queued decisions to the relay.
@@ -261,6 +302,20 @@ impl State {
             return;
         }
         self.relay.token = None;
+        // 16: UNAUTHENTICATED, the relay wants a token this gateway lacks or has wrong.
+        if status == 16 {
+            let var = self.router.config().relay.token_env.clone();
+            let why = if self.relay.sent_token {
+                format!("the relay refused this gateway's token (gRPC status 16, UNAUTHENTICATED): {var} (relay.token_env) holds another token than the relay's")
+            } else {
+                format!("the relay refused this gateway (gRPC status 16, UNAUTHENTICATED): it requires a token and the Wasm VM has none in {var} (relay.token_env; list it in vm_config.environment_variables)")
+            };
+            if !core::mem::replace(&mut self.relay.unauthenticated_logged, true) {
+                self.relay.quiet = false;
+            }
+            self.relay_lost(&why);
+            return;
+        }
         self.relay_lost(&format!("the relay stream closed (gRPC status {status})"));
     }
 
@@ -308,14 +363,20 @@ impl State {
         }
     }
 
-    /// Other gateways' decisions, and gateways that are gone.
+    /// Other gateways' decisions, and gateways that are gone. What a peer may tell and how
+    /// much it may charge is `precise::peers`' policy; every refusal is counted.
     fn apply_peers(&mut self, u: &Update) {
         if u.peers.is_empty() && u.gone.is_empty() {
             return;
         }
         let own = self.relay.gateway.clone();
         let now_ns = self.host.now_ns();
+        let now_ms = self.host.now_ms();
+        if self.relay.peers.workers() != self.router.config().workers.len() {
+            self.relay.peers = peers::Peers::new(self.router.config());
+        }
         let mut evs = Vec::new();
+        let mut no = peers::Refusals::default();
         for p in u.peers.iter().filter(|p| p.gateway != own) {
             let tag = peers::peer_tag(&p.gateway);
             if p.sent_unix_ns > 0 {
@@ -327,11 +388,26 @@ impl State {
                 match events::decode_counted(msg) {
                     Ok(d) => {
                         self.metrics.peers_received.add(d.events.len() as u64);
-                        evs.extend(peers::adopt(d.events, tag));
+                        let r = self.relay.peers.adopt(d.events, tag, now_ms, &mut evs);
+                        no.refused += r.refused;
+                        no.capped += r.capped;
+                        no.clamped += r.clamped;
                     }
                     Err(_) => self.metrics.peers_errors.inc(),
                 }
             }
+        }
+        self.metrics.peers_refused.add(no.refused);
+        self.metrics.peers_capped.add(no.capped);
+        self.metrics.peers_clamped.add(no.clamped);
+        if no.refused + no.capped > 0 && !core::mem::replace(&mut self.relay.refusal_logged, true) {
+            self.host.log(
+                LogLevel::Warn,
+                &format!(
+                    "kvroute: refused {} event(s) a peer gateway may not send and {} decision(s) over the peer caps (logged once; see kvroute_peers_refused_total, kvroute_peers_capped_total)",
+                    no.refused, no.capped
+                ),
+            );
         }
         for g in u.gone.iter().filter(|g| **g != own) {
             self.metrics.peers_gone.inc();
@@ -339,9 +415,9 @@ impl State {
                 LogLevel::Info,
                 &format!("kvroute: gateway {g} is gone; releasing the requests it had charged"),
             );
-            evs.push(Event::PeerGone {
-                tag: peers::peer_tag(g),
-            });
+            let tag = peers::peer_tag(g);
+            self.relay.peers.gone(tag);
+            evs.push(Event::PeerGone { tag });
         }
         self.apply_engine_events(evs);
     }

@@ -1632,6 +1632,75 @@ fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
     assert_eq!(b.counter("kvroute.peers.gone.total"), 1);
 }
 
+/// A peer's message is data about its own requests: a forged one that fails two workers,
+/// reports a third busy (stamped u64::MAX) and charges a request stamped u64::MAX changes
+/// no worker's health or load report, and the charge ends by this gateway's clock.
+#[test]
+fn a_forged_peer_message_cannot_steer_or_outlive_the_local_clock() {
+    use crate::events::{encode, Event};
+    use crate::load::{NewRequest, Report};
+    use crate::precise::wire::{PeerDecisions, Phase};
+    let cfg = format!(r#"{PRECISE},"load":{{"request_ttl_ms":2000}}"#);
+    let b = Vm::with_bus(&cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
+    b.state.borrow_mut().start_serving();
+    b.state.borrow_mut().tick();
+    b.state.borrow_mut().tick();
+    b.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
+    let busy = Report {
+        kv_usage: 1.0,
+        waiting: 10_000,
+        running: None,
+        at_ms: u64::MAX,
+    };
+    let forged = encode(
+        0,
+        &[
+            Event::Failed {
+                worker: 0,
+                at_ms: u64::MAX,
+            },
+            Event::Failed {
+                worker: 1,
+                at_ms: u64::MAX,
+            },
+            Event::Report {
+                worker: 2,
+                report: busy,
+            },
+            Event::Routed(NewRequest {
+                id: 1,
+                worker: 2,
+                prefill_worker: None,
+                blocks: vec![1, 2],
+                cached_blocks: 0,
+                tail_blocks: 1,
+                prefill_tokens: 100,
+                now_ms: u64::MAX,
+            }),
+        ],
+    );
+    let mut u = relay_update(2, Phase::Live, &[]);
+    u.peers = vec![PeerDecisions {
+        gateway: "forger".into(),
+        decisions: vec![forged],
+        sent_unix_ns: 0,
+    }];
+    b.relay_update(500, &u);
+    assert_eq!(b.counter("kvroute.peers.refused.total"), 3);
+    assert_eq!(b.counter("kvroute.peers.clamped.total"), 1);
+    assert_eq!(b.inflight(), 1, "the decision itself is data: charged");
+    let now = b.host.now_ms();
+    for w in 0..3 {
+        let v = b.state.borrow().router.worker_view(w, now);
+        assert!(v.healthy, "worker {w}");
+        assert_eq!(v.report, None, "worker {w}");
+    }
+    // The request TTL by this gateway's clock ends the charge.
+    b.f().now_ns += 2_500_000_000;
+    b.state.borrow_mut().tick();
+    assert_eq!(b.inflight(), 0);
+}
+
 /// The first byte goes on to the client before the prompt's blocks are inserted into the
 /// index (a cold prompt's insert costs hundreds of microseconds in V8): they are confirmed
 /// at the next chunk, or when a one-chunk answer ends; a failed answer never confirms.
