@@ -141,11 +141,6 @@ def with_envoy(monkeypatch, change):
     monkeypatch.setattr(kvstack, "envoy_config", lambda *a, **k: change(base(*a, **k)))
 
 
-def routes(cfg):
-    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["route_config"]["virtual_hosts"][0]["routes"]
-
-
 # ---------------------------------------------------------------- workers that misbehave
 
 def never_answers(_request):
@@ -178,16 +173,80 @@ def garbage_orca():
     return answer
 
 
-def per_try_idle_timeout(seconds):
-    """A try that sends nothing for `seconds` is reset and retried on another worker (the
-    shipped configs have no such timeout: a worker that accepts and never answers would hold
-    the request for the 600 s stream idle timeout)."""
-    def change(cfg):
-        for r in routes(cfg):
-            if "route" in r and "retry_policy" in r["route"]:
-                r["route"]["retry_policy"]["per_try_idle_timeout"] = seconds
-        return cfg
-    return change
+# The per-try bound on the wait for response headers (src/stall.rs), scaled down for a test:
+# 1 s, plus 20 ms per max_tokens token of a non-streaming answer, plus its prefill at 5,000
+# tokens/s. Shipped: 30 s, 100 ms per token, 4x the prefill at 10,000 tokens/s.
+STALL = {"health": {"first_byte_timeout_ms": 1000, "output_token_ms": 20, "prefill_slack": 1.0},
+         "load": {"prefill_tokens_per_s": 5000.0}}
+
+
+def read_request(conn):
+    """One HTTP/1.1 request off a raw connection (None when the peer closed): its body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = conn.recv(65536)
+        if not piece:
+            return None
+        data += piece
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return body
+
+
+class SlowEngine(RawWorker):
+    """An engine that is slow but answers: a non-streaming answer comes after `delay(request)`
+    seconds (prefill and generation, nothing sent before), a stream sends its headers at once
+    and then a token every `gap` seconds for `stream_s` seconds."""
+
+    def __init__(self, name, delay, stream_s=3.0, gap=0.2):
+        super().__init__(name, answer=None)
+        self.delay, self.stream_s, self.gap = delay, stream_s, gap
+
+    def _one(self, conn):
+        try:
+            while (body := read_request(conn)) is not None:
+                req = json.loads(body)
+                if req.get("stream"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"x-worker-id: " + self.name.encode() + b"\r\ntransfer-encoding: chunked\r\n\r\n")
+                    t_end = time.time() + self.stream_s
+                    while time.time() < t_end:
+                        time.sleep(self.gap)
+                        chunk = b'data: {"choices":[{"text":"x"}]}\n\n'
+                        conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    done = b"data: [DONE]\n\n"
+                    conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                    continue
+                time.sleep(self.delay(req))
+                out = json.dumps({"choices": [{"text": "x" * 8}]}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-worker-id: "
+                             + self.name.encode() + b"\r\ncontent-length: " + str(len(out)).encode()
+                             + b"\r\n\r\n" + out)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def timed(port, body, timeout=20.0):
+    """(status, headers, seconds) of one request."""
+    t0 = time.time()
+    status, headers, _ = kvstack.request(port, "POST", "/v1/completions", body, timeout=timeout)
+    return status, headers, time.time() - t0
+
+
+def timed_stream(port, body, timeout=20.0):
+    """(status, headers, seconds, whether it ended with [DONE]) of one streamed request."""
+    t0 = time.time()
+    status, headers, chunks = kvstack.stream(port, "/v1/completions", body, timeout=timeout)
+    done = b"".join(c for _, c in chunks).rstrip().endswith(b"data: [DONE]")
+    return status, headers, time.time() - t0, done
 
 
 # ---------------------------------------------------------------- cases
@@ -206,11 +265,11 @@ def test_worker_killed_mid_stream():
         assert_vm_never_crashed(s)
 
 
-def test_worker_that_accepts_and_never_answers(monkeypatch):
-    with_envoy(monkeypatch, per_try_idle_timeout("1s"))
+def test_worker_that_accepts_and_never_answers():
+    """Under traffic, with the shipped generator's Envoy and the filter's per-try bound."""
     hole = RawWorker("decode-hole", never_answers)
     fleet = [Worker("decode-1", role="decode"), hole, Worker("decode-2", role="decode")]
-    with Stack(fleet, kvroute=PLUGIN, concurrency=2) as s:
+    with Stack(fleet, kvroute={**PLUGIN, **STALL}, concurrency=2) as s:
         out = run_for(s, 4.0, parallel=6, stream_every=0)
         assert out["lost"] == 0, out
         assert out["ok"] > 20, out
@@ -218,6 +277,86 @@ def test_worker_that_accepts_and_never_answers(monkeypatch):
         assert s.stats().get('kvroute_worker_failures_total{worker="decode-hole"}', 0) >= 1
         assert_no_stuck_load(s, [w.name for w in fleet])
         assert_vm_never_crashed(s)
+
+
+def test_hung_worker_is_cut_off_retried_and_then_avoided():
+    """Issue 46's probe: six requests at once, in front of a worker that accepts and never
+    answers. Before, the ones put on it waited for the 600 s stream idle timeout (the probe
+    gave up after 15 s) and the worker was never marked. Now each try on it is reset at its
+    bound (1.16 s here), retried on another worker, and the worker is counted failed and
+    avoided."""
+    hole = RawWorker("decode-hole", never_answers)
+    fleet = [Worker("decode-1", role="decode"), hole, Worker("decode-2", role="decode")]
+    with Stack(fleet, kvroute={**PLUGIN, **STALL}, concurrency=2) as s:
+        bound = 1.0 + 8 * 0.02
+        results = [None] * 6
+
+        def one(i):
+            results[i] = timed(s.listen, completion(text(700 + i, 400), max_tokens=8))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        print(f"\nheld {len(hole.held)}; " + ", ".join(
+            f"{st} {h.get('x-worker-id')} attempts={h.get('x-envoy-attempt-count')} {sec:.2f}s"
+            for st, h, sec in results))
+        assert all(st == 200 for st, _, _ in results), results
+        assert all(h.get("x-worker-id") != "decode-hole" for _, h, _ in results), results
+        retried = [r for r in results if int(r[1].get("x-envoy-attempt-count", "1")) > 1]
+        assert len(hole.held) >= 1, "kvroute never put a request on the hung worker"
+        assert len(retried) == len(hole.held), (len(retried), len(hole.held))
+        # Answered within the bound plus the answer elsewhere (a mock answer is milliseconds).
+        assert max(sec for _, _, sec in results) < bound + 1.0, results
+        assert min(sec for _, _, sec in retried) >= bound - 0.05, retried
+        st = s.stats()
+        assert st.get('kvroute_worker_failures_total{worker="decode-hole"}', 0) >= len(hole.held), st
+        # The gauge is published on the 250 ms tick.
+        deadline = time.time() + 1.0
+        while s.stats().get('kvroute_worker_healthy{worker="decode-hole"}') != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert s.stats().get('kvroute_worker_healthy{worker="decode-hole"}') == 0
+        # Cooled down (health.cooldown_ms, 5 s): the next requests are not put on it.
+        held = len(hole.held)
+        for i in range(6):
+            status, h, sec = timed(s.listen, completion(text(800 + i, 400), max_tokens=8))
+            assert status == 200 and h.get("x-kvroute-worker") != "decode-hole", (status, h)
+            assert h.get("x-envoy-attempt-count", "1") == "1" and sec < bound, (h, sec)
+        assert len(hole.held) == held
+        assert_no_stuck_load(s, [w.name for w in fleet])
+        assert_vm_never_crashed(s)
+
+
+def test_slow_but_legitimate_answers_are_not_cut():
+    """The bound follows the request: a non-streaming answer with many max_tokens, a long
+    prompt's prefill and a long stream all take longer than the 1 s floor and are answered
+    in one try; the same delay on a short request is a stall and is cut."""
+    long_prompt = text(900, 40_000)  # about 10,000 tokens: 2 s of prefill at 5,000 tokens/s
+
+    def delay(req):
+        return 2.0 if len(req["prompt"]) > 20_000 or req.get("max_tokens", 0) >= 100 else 2.5
+    engine = SlowEngine("decode-slow", delay, stream_s=3.0)
+    with Stack([engine], kvroute={**PLUGIN, **STALL}, concurrency=2) as s:
+        # Generation: bound 1 + 150 x 20 ms = 4 s; the answer comes after 2 s.
+        status, h, sec = timed(s.listen, completion("write a long story", max_tokens=150))
+        assert status == 200 and h.get("x-envoy-attempt-count", "1") == "1" and sec >= 2.0, (status, h, sec)
+        # Prefill: bound 1 + 2 + 8 x 20 ms = 3.16 s; the answer comes after 2 s.
+        status, h, sec = timed(s.listen, completion(long_prompt, max_tokens=8))
+        assert status == 200 and h.get("x-envoy-attempt-count", "1") == "1" and sec >= 2.0, (status, h, sec)
+        # A stream: headers at once, a token every 200 ms for 3 s, past every bound.
+        status, h, sec, done = timed_stream(s.listen, completion("stream a story", max_tokens=8, stream=True))
+        assert status == 200 and done and sec >= 3.0 and h.get("x-envoy-attempt-count", "1") == "1", (status, h, sec)
+        print(f"\nslow answers: last stream {sec:.2f}s")
+        assert failures(s) == 0
+        # Control: 2.5 s of silence on a short non-streaming request (bound 1.16 s) is cut.
+        status, h, sec = timed(s.listen, completion("short", max_tokens=8))
+        assert status in (503, 504) and sec < 2.5 * 3, (status, h, sec)
+        assert failures(s) >= 1
+        assert_vm_never_crashed(s)
+
+
+def failures(stack, worker="decode-slow"):
+    return stack.stats().get(f'kvroute_worker_failures_total{{worker="{worker}"}}', 0)
 
 
 def test_worker_dropping_many_waiting_requests_at_once():
