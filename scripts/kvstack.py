@@ -126,6 +126,26 @@ def kvroute_config(fleet: list[Worker], /, **overrides) -> dict:
     return cfg
 
 
+def read_request(conn: socket.socket) -> tuple[bytes, bytes] | None:
+    """One HTTP/1.1 request (Content-Length bodies) off a raw connection: (head, body), or
+    None when the peer closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = conn.recv(65536)
+        if not piece:
+            return None
+        data += piece
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head, body
+
+
 class RawWorker(Worker):
     """A worker on a plain socket, for upstreams that misbehave: `answer(request bytes)` returns
     the raw response bytes, or None to hold the connection open without ever answering."""
@@ -158,21 +178,11 @@ class RawWorker(Worker):
     def _one(self, conn):
         try:
             while True:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    piece = conn.recv(65536)
-                    if not piece:
-                        conn.close()
-                        return
-                    data += piece
-                head, body = data.split(b"\r\n\r\n", 1)
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    if k.strip().lower() == b"content-length":
-                        length = int(v)
-                while len(body) < length:
-                    body += conn.recv(65536)
+                req = read_request(conn)
+                if req is None:
+                    conn.close()
+                    return
+                head, body = req
                 out = self.answer(head + b"\r\n\r\n" + body)
                 if out is None:
                     with self.held_lock:

@@ -180,25 +180,6 @@ STALL = {"health": {"first_byte_timeout_ms": 1000, "output_token_ms": 20, "prefi
          "load": {"prefill_tokens_per_s": 5000.0}}
 
 
-def read_request(conn):
-    """One HTTP/1.1 request off a raw connection (None when the peer closed): its body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        piece = conn.recv(65536)
-        if not piece:
-            return None
-        data += piece
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        k, _, v = line.partition(b":")
-        if k.strip().lower() == b"content-length":
-            length = int(v)
-    while len(body) < length:
-        body += conn.recv(65536)
-    return body
-
-
 class SlowEngine(RawWorker):
     """An engine that is slow but answers: a non-streaming answer comes after `delay(request)`
     seconds (prefill and generation, nothing sent before), a stream sends its headers at once
@@ -210,8 +191,8 @@ class SlowEngine(RawWorker):
 
     def _one(self, conn):
         try:
-            while (body := read_request(conn)) is not None:
-                req = json.loads(body)
+            while (got := kvstack.read_request(conn)) is not None:
+                req = json.loads(got[1])
                 if req.get("stream"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                  b"x-worker-id: " + self.name.encode() + b"\r\ntransfer-encoding: chunked\r\n\r\n")
