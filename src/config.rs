@@ -828,6 +828,10 @@ mod tests {
             (r#"{"workers":[{"name":"a","role":"prefill"}]}"#, "workers"),
             (r#"{"workers":[{"name":"a"}],"block_size":0}"#, "block_size"),
             (
+                r#"{"workers":[{"name":"a"}],"health":{"prefill_slack":-1}}"#,
+                "health.prefill_slack",
+            ),
+            (
                 r#"{"workers":[{"name":"a"}],"busy":{"kv_usage":2}}"#,
                 "busy.kv_usage",
             ),
