@@ -465,6 +465,11 @@ pub struct RelayConfig {
     /// sends back (gateway replicas sharing one view over NATS). Off: the stream carries
     /// engine events only.
     pub share_decisions: bool,
+    /// The Wasm VM's environment variable holding the relay's token, sent as
+    /// `authorization: Bearer <token>` on the stream (Envoy: `vm_config.environment_variables`,
+    /// e.g. `host_env_keys: [KVROUTE_RELAY_TOKEN]`). Unset or empty in the VM: no token is
+    /// sent. The token itself never appears in the plugin configuration.
+    pub token_env: String,
 }
 
 impl Default for RelayConfig {
@@ -475,6 +480,7 @@ impl Default for RelayConfig {
             retry_min_ms: 250,
             retry_max_ms: 8_000,
             share_decisions: true,
+            token_env: "KVROUTE_RELAY_TOKEN".into(),
         }
     }
 }
@@ -750,6 +756,16 @@ impl Config {
         if p.speculative_ms > 600_000 {
             return Err(err("relay.speculative_ms", "must be at most 600000"));
         }
+        let env_name = |s: &str| {
+            s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                && !s.starts_with(|c: char| c.is_ascii_digit())
+        };
+        if !env_name(&p.token_env) {
+            return Err(err(
+                "relay.token_env",
+                "must be an environment variable name (letters, digits, _) or empty",
+            ));
+        }
         if p.retry_min_ms == 0 || p.retry_min_ms > p.retry_max_ms || p.retry_max_ms > 600_000 {
             return Err(err(
                 "relay.retry_min_ms",
@@ -920,6 +936,8 @@ mod tests {
             (r#"{"retry_min_ms":0}"#, "relay.retry_min_ms"),
             (r#"{"retry_min_ms":9000}"#, "relay.retry_min_ms"),
             (r#"{"speculative_ms":700000}"#, "relay.speculative_ms"),
+            (r#"{"token_env":"A-B"}"#, "relay.token_env"),
+            (r#"{"token_env":"1A"}"#, "relay.token_env"),
         ] {
             let e =
                 parse(&format!(r#"{{"workers":[{{"name":"a"}}],"relay":{json}}}"#)).unwrap_err();

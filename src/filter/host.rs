@@ -41,10 +41,22 @@ pub trait Host {
     fn resume_request(&self) -> HostResult<()>;
     /// Opens a gRPC stream on an Envoy cluster; its messages and close arrive in the root
     /// context's `on_grpc_stream_message` / `on_grpc_stream_close` with the returned token.
-    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32>;
+    /// `metadata`: the stream's initial metadata (request headers).
+    fn grpc_open(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> HostResult<u32>;
     fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> HostResult<()>;
     /// Drops a stream; the host sends no close callback for it.
     fn grpc_cancel(&self, token: u32) -> HostResult<()>;
+    /// A variable of the VM's environment (Envoy passes those its `vm_config` lists in
+    /// `environment_variables`; WASI `environ_get`).
+    fn env(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
 }
 
 pub struct ProxyHost;
@@ -116,11 +128,17 @@ impl Host for ProxyHost {
         ffi::resume_request()
     }
 
-    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32> {
+    fn grpc_open(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> HostResult<u32> {
         // Through the SDK for the same reason as `http_call` (its dispatcher routes the
         // stream's callbacks by token). Envoy answers Ok, ParseFailure (unknown cluster) or
         // InternalFailure, which the SDK returns as errors; it panics on no other.
-        proxy_wasm::hostcalls::open_grpc_stream(cluster, service, method, vec![])
+        proxy_wasm::hostcalls::open_grpc_stream(cluster, service, method, metadata.to_vec())
     }
 
     fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> HostResult<()> {
@@ -270,8 +288,18 @@ impl Calls {
         self.ok(self.host.resume_request());
     }
 
-    pub fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> Option<u32> {
-        self.ok(self.host.grpc_open(cluster, service, method))
+    pub fn grpc_open(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Option<u32> {
+        self.ok(self.host.grpc_open(cluster, service, method, metadata))
+    }
+
+    pub fn env(&self, name: &str) -> Option<String> {
+        self.host.env(name)
     }
 
     pub fn grpc_send(&self, token: u32, msg: &[u8], end_stream: bool) -> bool {

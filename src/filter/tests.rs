@@ -50,6 +50,10 @@ struct Fake {
     resumed: u32,
     /// gRPC streams opened: token, cluster, service/method; messages sent; cancelled.
     grpc_opened: Vec<(u32, String, String)>,
+    /// Each opened stream's initial metadata, in `grpc_opened` order.
+    grpc_metadata: Vec<Vec<(String, Vec<u8>)>>,
+    /// The VM's environment.
+    env: HashMap<String, String>,
     grpc_sent: Vec<(u32, Vec<u8>, bool)>,
     grpc_cancelled: Vec<u32>,
     /// The message the current `on_grpc_stream_message` reads.
@@ -199,9 +203,21 @@ impl Host for FakeHost {
         Ok(token)
     }
 
-    fn grpc_open(&self, cluster: &str, service: &str, method: &str) -> HostResult<u32> {
+    fn grpc_open(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> HostResult<u32> {
         self.fails("grpc_open")?;
         let mut f = self.0.borrow_mut();
+        f.grpc_metadata.push(
+            metadata
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_vec()))
+                .collect(),
+        );
         let token = 500 + f.grpc_opened.len() as u32;
         f.grpc_opened
             .push((token, cluster.to_string(), format!("{service}/{method}")));
@@ -225,6 +241,10 @@ impl Host for FakeHost {
     fn grpc_cancel(&self, token: u32) -> HostResult<()> {
         self.0.borrow_mut().grpc_cancelled.push(token);
         Ok(())
+    }
+
+    fn env(&self, name: &str) -> Option<String> {
+        self.0.borrow().env.get(name).cloned()
     }
 }
 
@@ -1321,6 +1341,62 @@ fn relay_update(
         sent_unix_ns: 900_000_000,
         ..Default::default()
     }
+}
+
+#[test]
+fn the_relay_token_comes_from_the_vm_environment_and_a_refusal_says_so() {
+    let (_bus, a, _b) = two_vms(PRECISE);
+    a.f().env.insert(
+        "KVROUTE_RELAY_TOKEN".into(),
+        "secret-token-0123456789".into(),
+    );
+    a.state.borrow_mut().start_serving();
+    for _ in 0..2 {
+        a.state.borrow_mut().tick();
+    }
+    assert_eq!(a.f().grpc_opened.len(), 1);
+    assert_eq!(
+        a.f().grpc_metadata[0],
+        vec![(
+            "authorization".to_string(),
+            b"Bearer secret-token-0123456789".to_vec()
+        )]
+    );
+    a.state.borrow_mut().on_relay_close(500, 16);
+    let logs = a.f().logs.clone();
+    let refusal: Vec<_> = logs
+        .iter()
+        .filter(|(l, m)| *l == LogLevel::Warn && m.contains("UNAUTHENTICATED"))
+        .collect();
+    assert_eq!(refusal.len(), 1, "{logs:?}");
+    assert!(refusal[0]
+        .1
+        .contains("holds another token than the relay's"));
+    assert!(refusal[0].1.contains("routing on predictions"));
+    assert!(
+        logs.iter().all(|(_, m)| !m.contains("secret-token")),
+        "the token is never logged"
+    );
+    // Without the variable: no metadata, and the refusal names what is missing.
+    a.f().env.clear();
+    a.f().now_ns += 1_000_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.f().grpc_opened.len(), 2);
+    assert!(a.f().grpc_metadata[1].is_empty());
+    a.state.borrow_mut().on_relay_close(501, 16);
+    assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 2);
+    assert!(
+        a.f().logs.iter().all(|(_, m)| !m.contains("has none")),
+        "logged once per VM"
+    );
+    // A token that is not a header value is not sent (and the stream is not opened).
+    a.f()
+        .env
+        .insert("KVROUTE_RELAY_TOKEN".into(), "two words".into());
+    a.f().now_ns += 1_000_000_000;
+    a.state.borrow_mut().tick();
+    assert_eq!(a.f().grpc_opened.len(), 2);
+    assert_eq!(a.counter("kvroute.precise.stream_failures.total"), 3);
 }
 
 #[test]
