@@ -29,6 +29,13 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 pub const PEER_TIMEOUT_MS: u64 = 3000;
 /// Default `--nats-subject-prefix`.
 pub const SUBJECT_PREFIX: &str = "kvroute.decisions";
+/// Another relay's `gone` for a gateway is announced here only if no heartbeat lists the
+/// gateway alive for this long after it: the relay that held the gateway's stream stops
+/// listing it, so a forged `gone` for a gateway that is still connected somewhere is
+/// contradicted by the next heartbeat (every `HEARTBEAT`) and ignored.
+pub const GONE_CONFIRM: Duration = Duration::from_millis(2 * HEARTBEAT.as_millis() as u64);
+/// Gateways of other relays tracked at once (forged heartbeats cannot grow the table).
+pub const MAX_PEERS: usize = 1024;
 
 /// The NATS payload (one message per group and flush, or per heartbeat), on subject
 /// `<prefix>.<group_fingerprint(group)>`.
@@ -91,8 +98,26 @@ struct Local {
 struct State {
     next_id: u64,
     streams: HashMap<u64, Local>,
-    /// Gateways of other relays: (group, gateway) → when last heard from.
-    peers: HashMap<(String, String), Instant>,
+    /// Gateways of other relays: (group, gateway) → who speaks for it and when.
+    peers: HashMap<(String, String), Peer>,
+}
+
+/// A gateway of another relay.
+struct Peer {
+    /// The relay that last listed it alive or sent its decisions: only that relay may
+    /// announce it gone.
+    relay: u64,
+    last: Instant,
+    /// That relay said it is gone; announced after `GONE_CONFIRM` unless heard alive.
+    gone_at: Option<Instant>,
+}
+
+impl State {
+    fn is_local(&self, group: &str, gateway: &str) -> bool {
+        self.streams
+            .values()
+            .any(|l| l.group == group && &*l.gateway == gateway)
+    }
 }
 
 /// Upper bounds (ms) of the propagation delay histogram.
@@ -159,6 +184,13 @@ pub struct ShareStats {
     pub nats_errors: AtomicU64,
     /// NATS messages that did not decode.
     pub bad_messages: AtomicU64,
+    /// Claims from other relays refused: a gone from a relay that does not speak for the
+    /// gateway, a gone for a gateway connected here, a gone contradicted by a heartbeat, a
+    /// gateway beyond `MAX_PEERS`.
+    pub refused_gone_other_relay: AtomicU64,
+    pub refused_gone_local: AtomicU64,
+    pub refused_gone_alive: AtomicU64,
+    pub refused_peers_full: AtomicU64,
     /// Gone announcements to local streams, by cause.
     pub gone_local: AtomicU64,
     pub gone_remote: AtomicU64,
@@ -174,6 +206,8 @@ pub struct Share {
     pub stats: ShareStats,
     out: OnceLock<mpsc::Sender<Out>>,
     peer_timeout_ms: AtomicU64,
+    /// `GONE_CONFIRM` (shorter in tests).
+    gone_confirm_ms: AtomicU64,
     /// Set once the NATS connection was lost (so the next connect logs "recovered").
     lost: AtomicBool,
 }
@@ -194,6 +228,7 @@ impl Share {
             stats: ShareStats::default(),
             out: OnceLock::new(),
             peer_timeout_ms: AtomicU64::new(PEER_TIMEOUT_MS),
+            gone_confirm_ms: AtomicU64::new(GONE_CONFIRM.as_millis() as u64),
             lost: AtomicBool::new(false),
         }
     }
@@ -309,7 +344,8 @@ impl Share {
         }
     }
 
-    /// A message from another relay.
+    /// A message from another relay. It speaks for its own gateways only: another relay's
+    /// gateway cannot be announced gone by it, nor can a gateway connected here.
     pub fn on_remote(&self, msg: ShareMsg) {
         if msg.relay == self.relay_id {
             return;
@@ -321,42 +357,89 @@ impl Share {
         let now = Instant::now();
         let group = msg.group;
         for gw in msg.alive {
-            st.peers.insert((group.clone(), gw), now);
+            self.heard(&mut st, &group, gw, msg.relay, now);
         }
         for p in msg.peers {
             add(&self.stats.from_nats, p.decisions.len() as u64);
-            st.peers.insert((group.clone(), p.gateway.clone()), now);
+            self.heard(&mut st, &group, p.gateway.clone(), msg.relay, now);
             self.fanout(&st, &group, None, &PeerEvent::Decisions(Arc::new(p)));
         }
         for gw in msg.gone {
-            let key = (group.clone(), gw);
-            if st.peers.remove(&key).is_some() {
-                add(&self.stats.gone_remote, 1);
-                self.fanout(&st, &group, None, &PeerEvent::Gone(key.1.into()));
+            if st.is_local(&group, &gw) {
+                add(&self.stats.refused_gone_local, 1);
+                continue;
+            }
+            match st.peers.get_mut(&(group.clone(), gw)) {
+                Some(p) if p.relay != msg.relay => add(&self.stats.refused_gone_other_relay, 1),
+                Some(p) => {
+                    p.gone_at.get_or_insert(now);
+                }
+                // Never heard of here: nothing of it to release.
+                None => {}
             }
         }
     }
 
-    /// Announces peers silent for longer than the peer timeout as gone (once each).
+    /// `relay` lists `gw` alive (a heartbeat or its decisions).
+    fn heard(&self, st: &mut State, group: &str, gw: String, relay: u64, now: Instant) {
+        let key = (group.to_owned(), gw);
+        if let Some(p) = st.peers.get_mut(&key) {
+            if p.gone_at.take().is_some() {
+                // Announced gone, yet alive: the gone was forged (or the gateway is back
+                // already); either way its requests are still running.
+                add(&self.stats.refused_gone_alive, 1);
+            }
+            p.relay = relay;
+            p.last = now;
+            return;
+        }
+        if st.peers.len() >= MAX_PEERS {
+            add(&self.stats.refused_peers_full, 1);
+            return;
+        }
+        st.peers.insert(
+            key,
+            Peer {
+                relay,
+                last: now,
+                gone_at: None,
+            },
+        );
+    }
+
+    /// Announces peers silent for longer than the peer timeout as gone (once each), and
+    /// those their relay said are gone once no heartbeat contradicted it.
     pub fn reap(&self) {
         let timeout = Duration::from_millis(self.peer_timeout_ms.load(Relaxed));
+        let confirm = Duration::from_millis(self.gone_confirm_ms.load(Relaxed));
         let mut guard = self.lock();
         let st = &mut *guard;
         let now = Instant::now();
         let mut expired = Vec::new();
         let streams = &st.streams;
-        st.peers.retain(|(group, gw), last| {
+        st.peers.retain(|(group, gw), p| {
             if !streams.values().any(|l| &l.group == group) {
                 return false;
             }
-            if now.duration_since(*last) > timeout {
-                expired.push((group.clone(), gw.clone()));
+            if p.gone_at.is_some_and(|t| now.duration_since(t) >= confirm) {
+                expired.push((group.clone(), gw.clone(), true));
+                return false;
+            }
+            if now.duration_since(p.last) > timeout {
+                expired.push((group.clone(), gw.clone(), false));
                 return false;
             }
             true
         });
-        for (group, gw) in expired {
-            add(&self.stats.gone_timeout, 1);
+        for (group, gw, said) in expired {
+            add(
+                if said {
+                    &self.stats.gone_remote
+                } else {
+                    &self.stats.gone_timeout
+                },
+                1,
+            );
             self.fanout(st, &group, None, &PeerEvent::Gone(gw.into()));
         }
     }
@@ -464,6 +547,19 @@ impl Share {
             ("nats_queue", &s.dropped_queue),
             ("nats_down", &s.dropped_nats),
             ("gone_event", &s.dropped_gone),
+        ] {
+            let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
+        }
+        let name = "kvroute_relay_peer_claims_refused_total";
+        let _ = writeln!(
+            o,
+            "# HELP {name} Claims of other relays refused (reason: gone from a relay that does not speak for the gateway, gone for a gateway connected here, gone contradicted by a heartbeat, more than {MAX_PEERS} peers)\n# TYPE {name} counter"
+        );
+        for (reason, v) in [
+            ("gone_other_relay", &s.refused_gone_other_relay),
+            ("gone_local_gateway", &s.refused_gone_local),
+            ("gone_still_alive", &s.refused_gone_alive),
+            ("peers_full", &s.refused_peers_full),
         ] {
             let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
         }
@@ -719,6 +815,63 @@ mod tests {
         };
         let b = m.encode_to_vec();
         assert_eq!(ShareMsg::decode(b.as_slice()).ok(), Some(m));
+    }
+
+    /// A forged `gone` naming real gateways once made gateways drop each other's load: only
+    /// the relay that speaks for a gateway may say it is gone, never for a gateway connected
+    /// here, and a heartbeat listing it alive cancels it.
+    #[tokio::test]
+    async fn a_gone_is_believed_only_from_the_gateways_relay_and_if_not_contradicted() {
+        let s = Share::new(1);
+        let (_a, mut ra) = s.register("a", "g");
+        let hb = |relay, gw: &str| ShareMsg {
+            relay,
+            group: "g".into(),
+            alive: vec![gw.into()],
+            ..ShareMsg::default()
+        };
+        let gone = |relay, gw: &str| ShareMsg {
+            relay,
+            group: "g".into(),
+            gone: vec![gw.into()],
+            ..ShareMsg::default()
+        };
+        s.on_remote(hb(2, "r"));
+        s.gone_confirm_ms.store(20, Relaxed);
+        // Another relay, or any relay for the gateway connected here: refused at once.
+        s.on_remote(gone(3, "r"));
+        s.on_remote(gone(2, "a"));
+        // r's own relay (or someone using its id): pending, then contradicted by a heartbeat.
+        s.on_remote(gone(2, "r"));
+        s.on_remote(hb(2, "r"));
+        std::thread::sleep(Duration::from_millis(30));
+        s.reap();
+        assert!(ra.try_recv().is_err(), "no gone reached the local stream");
+        assert_eq!(s.peers_known(), 1);
+        let st = &s.stats;
+        assert_eq!(st.refused_gone_other_relay.load(Relaxed), 1);
+        assert_eq!(st.refused_gone_local.load(Relaxed), 1);
+        assert_eq!(st.refused_gone_alive.load(Relaxed), 1);
+        // A real gone: its relay says so and lists it no more.
+        s.on_remote(gone(2, "r"));
+        s.reap();
+        assert!(ra.try_recv().is_err(), "not before the confirmation window");
+        std::thread::sleep(Duration::from_millis(30));
+        s.reap();
+        assert!(matches!(ra.try_recv(), Ok(PeerEvent::Gone(g)) if &*g == "r"));
+        assert_eq!(st.gone_remote.load(Relaxed), 1);
+        let mut m = String::new();
+        s.render(&mut m);
+        assert!(
+            m.contains("kvroute_relay_peer_claims_refused_total{reason=\"gone_still_alive\"} 1"),
+            "{m}"
+        );
+        // Forged heartbeats cannot grow the table without bound.
+        for i in 0..MAX_PEERS + 5 {
+            s.on_remote(hb(9, &format!("x{i}")));
+        }
+        assert_eq!(s.peers_known(), MAX_PEERS);
+        assert_eq!(st.refused_peers_full.load(Relaxed), 5);
     }
 
     #[tokio::test]

@@ -287,7 +287,7 @@ async fn closed_stream_is_gone_promptly() {
     let closed = Instant::now();
     drop(ca);
     let u = cb
-        .gone(Duration::from_secs(2), "gw-a")
+        .gone(Duration::from_secs(3), "gw-a")
         .await
         .expect("relay B's client never got gone for gw-a");
     let remote = closed.elapsed();
@@ -299,7 +299,9 @@ async fn closed_stream_is_gone_promptly() {
         "stream closed -> gone at the other relay's client: {:.1} ms",
         remote.as_secs_f64() * 1e3
     );
-    assert!(remote < Duration::from_millis(1000));
+    // A remote gone waits out GONE_CONFIRM (a heartbeat could still contradict it).
+    assert!(remote >= kvroute_relay::share::GONE_CONFIRM);
+    assert!(remote < kvroute_relay::share::GONE_CONFIRM + Duration::from_millis(1000));
     // Once only: no second gone for gw-a (heartbeats go on, 500 ms apart).
     assert!(cb.gone(Duration::from_millis(1200), "gw-a").await.is_none());
     let m = kvroute_relay::metrics::render_metrics(&ha);
@@ -479,4 +481,58 @@ async fn local_sharing_without_nats() {
         m.contains("kvroute_relay_decisions_forwarded_total 2"),
         "{m}"
     );
+}
+
+/// A forged `gone` published straight onto NATS, naming a real gateway, once made the other
+/// gateways drop its load. From a relay id that does not speak for the gateway it is refused;
+/// with the right relay id (read off any heartbeat) the gateway's next heartbeat contradicts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_gone_on_nats_drops_no_live_gateway() {
+    use kvroute_relay::share::{subject, ShareMsg};
+    use prost::Message as _;
+    let Some((nats, (ha, a), (hb, b))) =
+        two_relays("a_forged_gone_on_nats_drops_no_live_gateway", 3000).await
+    else {
+        return;
+    };
+    let ca = watch(&a, "gw-a", "g").await;
+    let mut cb = watch(&b, "gw-b", "g").await;
+    share_until_seen(&ca, &mut cb, b"x", Duration::from_secs(5), "no sharing").await;
+    let forger = async_nats::connect(nats.url()).await.unwrap();
+    for relay in [0xdead_beef, ha.share.relay_id] {
+        let msg = ShareMsg {
+            relay,
+            group: "g".into(),
+            gone: vec!["gw-a".into(), "gw-b".into()],
+            ..ShareMsg::default()
+        };
+        forger
+            .publish(subject("test.decisions", "g"), msg.encode_to_vec().into())
+            .await
+            .unwrap();
+    }
+    forger.flush().await.unwrap();
+    // Twice the confirmation window: a believed gone would have been announced by then.
+    assert!(
+        cb.gone(2 * kvroute_relay::share::GONE_CONFIRM, "gw-a")
+            .await
+            .is_none(),
+        "relay B announced the live gw-a gone"
+    );
+    let m = kvroute_relay::metrics::render_metrics(&hb);
+    // gw-b is connected to B: both forgeries naming it are refused there.
+    for (reason, n) in [
+        ("gone_other_relay", 1),
+        ("gone_local_gateway", 2),
+        ("gone_still_alive", 1),
+    ] {
+        assert!(
+            m.contains(&format!(
+                "kvroute_relay_peer_claims_refused_total{{reason=\"{reason}\"}} {n}"
+            )),
+            "{reason}: {m}"
+        );
+    }
+    assert!(m.contains("kvroute_relay_gone_announcements_total{cause=\"remote\"} 0"));
+    drop(ca);
 }
