@@ -1,6 +1,6 @@
 //! Command line of the `kvroute-relay` binary.
 
-use crate::hub::EngineSpec;
+use crate::hub::{EngineSpec, Limits};
 
 pub const USAGE: &str = "\
 kvroute-relay: subscribes to inference engines' KV cache events (vLLM's ZMQ format) and serves
@@ -13,7 +13,9 @@ ENGINES (at least one --engine or --engines-dns, unless --nats only shares decis
   --engine SPEC          An engine's KV event publisher (vLLM --kv-events-config endpoint).
                          NAME is the worker's name in the filter's `workers[].name`;
                          replay= its replay (ROUTER) endpoint, used to repair gaps;
-                         model= the model name requests use (default: --model). Repeatable.
+                         model= the model name requests use (default: --model);
+                         kv_blocks= the engine's KV cache capacity in blocks (default:
+                         --kv-blocks). Repeatable.
   --engines-dns HOST:PORT[,replay_port=PORT]
                          Resolve HOST every 10 s; every address becomes an engine named IP:PORT
                          publishing on tcp://IP:PORT (replay on tcp://IP:replay_port).
@@ -35,6 +37,18 @@ SHARING (gateways' routing decisions, see README, Sharing decisions):
                          kvroute.decisions).
   --peer-timeout-ms N    A peer gateway not heard from (decisions or heartbeat) for N ms is
                          announced gone to local streams (default 3000).
+LIMITS (see README, Limits; every refusal and eviction is counted in /metrics):
+  --kv-blocks N          KV cache capacity in blocks of engines without kv_blocks= (default
+                         131072).
+  --index-factor F       An engine's index holds at most kv_blocks x F blocks; past that the
+                         least recently used chains are evicted and announced removed
+                         (default 2).
+  --max-streams N        Watch streams open at once (default 256).
+  --max-streams-per-client N
+                         Watch streams open at once from one IP address (default 16).
+  --max-snapshot-blocks N
+                         Hashes in one snapshot, over all engines (default 4194304); a cut
+                         keeps every engine's shallowest blocks.
   -h, --help             This help.
 ";
 
@@ -61,6 +75,8 @@ pub struct Config {
     pub nats_prefix: String,
     /// `--peer-timeout-ms`.
     pub peer_timeout_ms: u64,
+    /// `--kv-blocks`, `--index-factor`, `--max-streams*`, `--max-snapshot-blocks`.
+    pub limits: Limits,
 }
 
 /// `Ok(None)` means --help.
@@ -75,6 +91,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
     let mut nats = None;
     let mut nats_prefix = crate::share::SUBJECT_PREFIX.to_owned();
     let mut peer_timeout_ms = crate::share::PEER_TIMEOUT_MS;
+    let mut limits = Limits::default();
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -138,6 +155,16 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
                     .filter(|n| (1..=3_600_000).contains(n))
                     .ok_or_else(|| format!("--peer-timeout-ms {v:?}: expected 1..=3600000"))?;
             }
+            // Limits (README, "Limits").
+            "--kv-blocks" => limits.kv_blocks = number(&flag, &value()?, 1, 1 << 32)?,
+            "--index-factor" => limits.index_factor = number(&flag, &value()?, 1, 64)?,
+            "--max-streams" => limits.max_streams = number(&flag, &value()?, 1, 65_536)? as usize,
+            "--max-streams-per-client" => {
+                limits.max_streams_per_client = number(&flag, &value()?, 1, 65_536)? as usize
+            }
+            "--max-snapshot-blocks" => {
+                limits.max_snapshot_blocks = number(&flag, &value()?, 1, 1 << 32)? as usize
+            }
             _ => return Err(format!("unknown argument {arg:?} (see --help)")),
         }
     }
@@ -172,7 +199,15 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         nats,
         nats_prefix,
         peer_timeout_ms,
+        limits,
     }))
+}
+
+fn number(flag: &str, v: &str, min: u64, max: u64) -> Result<u64, String> {
+    v.parse()
+        .ok()
+        .filter(|n| (min..=max).contains(n))
+        .ok_or_else(|| format!("{flag} {v:?}: expected {min}..={max}"))
 }
 
 fn check_addr(flag: &str, v: &str) -> Result<String, String> {
@@ -202,6 +237,7 @@ pub fn parse_engine(s: &str, default_model: Option<&str>) -> Result<EngineSpec, 
     check_endpoint(&what, &endpoint)?;
     let mut replay = None;
     let mut model = default_model.map(str::to_owned);
+    let mut kv_blocks = None;
     for p in parts {
         match p.split_once('=') {
             Some(("replay", v)) => {
@@ -209,9 +245,10 @@ pub fn parse_engine(s: &str, default_model: Option<&str>) -> Result<EngineSpec, 
                 replay = Some(v.to_owned());
             }
             Some(("model", v)) if !v.is_empty() => model = Some(v.to_owned()),
+            Some(("kv_blocks", v)) => kv_blocks = Some(number(&what, v, 1, 1 << 32)?),
             _ => {
                 return Err(format!(
-                    "{what}: unknown option {p:?} (replay=tcp://HOST:PORT or model=NAME)"
+                    "{what}: unknown option {p:?} (replay=, model= or kv_blocks=)"
                 ))
             }
         }
@@ -222,6 +259,7 @@ pub fn parse_engine(s: &str, default_model: Option<&str>) -> Result<EngineSpec, 
         endpoint,
         replay,
         model,
+        kv_blocks,
     })
 }
 
@@ -317,5 +355,39 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(c.dns.unwrap().replay_port, Some(5558));
+    }
+
+    #[test]
+    fn parses_limits() {
+        let c = parse(args("--model m --engine w=tcp://h:1"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.limits, Limits::default());
+        let c = parse(args(
+            "--model m --engine w=tcp://h:1,kv_blocks=1000 --kv-blocks 50 --index-factor 3 --max-streams 9 --max-streams-per-client 2 --max-snapshot-blocks 77",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.engines[0].kv_blocks, Some(1000));
+        let l = &c.limits;
+        assert_eq!(
+            (
+                l.kv_blocks,
+                l.index_factor,
+                l.max_streams,
+                l.max_streams_per_client
+            ),
+            (50, 3, 9, 2)
+        );
+        assert_eq!(l.max_snapshot_blocks, 77);
+        assert_eq!(l.max_blocks(&c.engines[0]), 3000);
+        for bad in [
+            "--model m --engine w=tcp://h:1,kv_blocks=0",
+            "--model m --engine w=tcp://h:1 --index-factor 0",
+            "--model m --engine w=tcp://h:1 --max-streams-per-client x",
+            "--model m --engine w=tcp://h:1 --max-snapshot-blocks",
+        ] {
+            assert!(parse(args(bad)).is_err(), "{bad}");
+        }
     }
 }

@@ -745,6 +745,7 @@ impl Engine {
         add(&s.orphans, c.orphans);
         add(&s.size_mismatch, c.size_mismatch);
         add(&s.bad_events, c.bad_events);
+        add(&s.evicted, c.evicted);
         if c.size_mismatch > 0 && !self.logged_size_mismatch {
             self.logged_size_mismatch = true;
             eprintln!(

@@ -2,7 +2,7 @@
 //! machinery (no protoc, no codegen): bidirectional; a snapshot first, then coalesced live
 //! deltas and the other gateways' decisions; the gateway's later messages carry its decisions.
 
-use crate::hub::{add, now_ns, Change, Hub};
+use crate::hub::{add, now_ns, Change, Hub, Refused, StreamSlot};
 use crate::index::DeltaBuilder;
 use crate::share::PeerEvent;
 use kvroute::precise::wire::{Phase, Update, WatchRequest, WorkerDelta, METHOD, SERVICE};
@@ -57,7 +57,10 @@ impl tonic::server::StreamingService<WatchRequest> for Watch {
 
     fn call(&mut self, request: Request<Streaming<WatchRequest>>) -> Self::Future {
         let hub = self.hub.clone();
+        // Stream limits (README, "Limits"): the place is held until the stream ends.
+        let slot = open_slot(&hub, request.remote_addr().map(|a| a.ip()));
         Box::pin(async move {
+            let slot = slot?;
             let mut inbound = request.into_inner();
             let req = match inbound.message().await? {
                 Some(r) => r,
@@ -85,7 +88,10 @@ impl tonic::server::StreamingService<WatchRequest> for Watch {
             let (id, peers) = hub.share.register(&req.gateway, &req.group);
             hub.share.local_decisions(id, req.decisions);
             let (tx, rx) = mpsc::channel(4);
-            tokio::spawn(stream_task(hub, req.gateway, id, peers, inbound, tx));
+            tokio::spawn(async move {
+                stream_task(hub, req.gateway, id, peers, inbound, tx).await;
+                drop(slot);
+            });
             Ok(Response::new(ReceiverStream::new(rx)))
         })
     }
@@ -192,11 +198,8 @@ impl Stream {
         let (rx, parts) = {
             let st = self.hub.lock();
             let rx = st.tx.subscribe();
-            let parts: Vec<(String, bool, Vec<u64>)> = st
-                .workers
-                .iter()
-                .map(|w| (w.name.clone(), w.stale, w.index.blocks.snapshot()))
-                .collect();
+            let (parts, cut) = st.snapshot_parts(self.hub.limits.max_snapshot_blocks);
+            add(&self.hub.stats.snapshot_truncated, cut as u64);
             (rx, parts)
         };
         let mut pending: Vec<WorkerDelta> = Vec::new();
@@ -231,6 +234,30 @@ impl Stream {
         }
         Some(rx)
     }
+}
+
+fn open_slot(hub: &Hub, client: Option<std::net::IpAddr>) -> Result<StreamSlot, Status> {
+    let limits = &hub.limits;
+    hub.streams.open(client, limits).map_err(|why| {
+        let (counter, msg) = match why {
+            Refused::PerClient => (
+                &hub.stats.streams_refused_per_client,
+                format!(
+                    "{} Watch streams are open from this address already (--max-streams-per-client)",
+                    limits.max_streams_per_client
+                ),
+            ),
+            Refused::Total => (
+                &hub.stats.streams_refused_total,
+                format!(
+                    "{} Watch streams are open already (--max-streams)",
+                    limits.max_streams
+                ),
+            ),
+        };
+        add(counter, 1);
+        Status::resource_exhausted(msg)
+    })
 }
 
 fn names(hub: &Hub) -> Vec<String> {

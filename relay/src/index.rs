@@ -5,14 +5,26 @@ use crate::decode::{Event, Stored};
 use hashbrown::{HashMap, HashTable};
 use kvroute::hashing::{chain_seed, token_block_hash};
 
-/// One indexed block, 20 bytes (u32 words keep the alignment at 4, so no padding).
+/// One indexed block, 32 bytes (u32 words keep the alignment at 4, so no padding).
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     engine: [u32; 2],
     kvroute: [u32; 2],
+    /// The parent's engine hash (unused at depth 0): storing a child refreshes its ancestors.
+    parent: [u32; 2],
     /// Blocks before this one in its chain: the snapshot lists parents before children by
     /// sorting on it.
     depth: u32,
+    /// Recency generation: an ancestor's is never below its descendants' (see `evict`).
+    gen: u32,
+}
+
+impl Entry {
+    /// Eviction order, smallest first: older generations, and within one the deepest blocks
+    /// (children before their parents), so eviction never leaves a child without its parent.
+    fn evict_key(&self) -> u64 {
+        (u64::from(self.gen) << 32) | u64::from(u32::MAX - self.depth)
+    }
 }
 
 fn split(v: u64) -> [u32; 2] {
@@ -28,13 +40,42 @@ fn mix(k: u64) -> u64 {
     x ^ (x >> 29)
 }
 
-/// Engine hash -> (kvroute hash, depth) for every block an engine holds.
-#[derive(Default)]
+/// Default bound of one engine's table when nothing sets it: 2 x 131072 blocks (see
+/// `hub::Limits`), a few MiB.
+pub const DEFAULT_MAX_BLOCKS: usize = 2 * 131_072;
+
+/// Engine hash -> (kvroute hash, depth) for every block an engine holds, at most `max` of
+/// them: an engine that announces more blocks than it can hold (a bug or a hostile
+/// publisher) cannot grow the relay without bound.
 pub struct BlockTable {
     table: HashTable<Entry>,
+    max: usize,
+    /// Current recency generation; bumped every `max / 16` inserts.
+    gen: u32,
+    inserts_in_gen: usize,
+}
+
+impl Default for BlockTable {
+    fn default() -> Self {
+        BlockTable::with_max(DEFAULT_MAX_BLOCKS)
+    }
 }
 
 impl BlockTable {
+    /// A table holding at most `max` blocks (at least 16).
+    pub fn with_max(max: usize) -> Self {
+        BlockTable {
+            table: HashTable::new(),
+            max: max.max(16),
+            gen: 0,
+            inserts_in_gen: 0,
+        }
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
     pub fn len(&self) -> usize {
         self.table.len()
     }
@@ -55,12 +96,22 @@ impl BlockTable {
             .map(|x| (join(x.kvroute), x.depth))
     }
 
+    /// Inserts a root-level entry (no parent link); see [`BlockTable::insert_under`].
     pub fn insert(&mut self, engine: u64, kvroute: u64, depth: u32) {
+        self.insert_under(engine, kvroute, depth, None);
+    }
+
+    /// Inserts (or replaces) a block whose parent's engine hash is `parent`. The caller
+    /// makes room first (`is_full` / `evict`): the table never grows past `max` through
+    /// [`EngineIndex`], which evicts before inserting.
+    pub fn insert_under(&mut self, engine: u64, kvroute: u64, depth: u32, parent: Option<u64>) {
         let e = split(engine);
         let entry = Entry {
             engine: e,
             kvroute: split(kvroute),
+            parent: split(parent.unwrap_or(0)),
             depth,
+            gen: self.gen,
         };
         match self
             .table
@@ -71,6 +122,84 @@ impl BlockTable {
                 v.insert(entry);
             }
         }
+        self.inserts_in_gen += 1;
+        if self.inserts_in_gen >= (self.max / 16).max(1) {
+            self.inserts_in_gen = 0;
+            self.gen = self.gen.saturating_add(1);
+        }
+    }
+
+    /// Marks `engine` and its ancestors used now (a new block was stored under it). Stops at
+    /// the first ancestor already in the current generation: its own ancestors are too.
+    pub fn touch(&mut self, engine: u64) {
+        let gen = self.gen;
+        let mut cur = Some(engine);
+        // Depth bounds the walk even if hostile input made a cycle of parent links.
+        let mut left = self.table.len();
+        while let Some(h) = cur.take() {
+            let e = split(h);
+            let Some(x) = self.table.find_mut(mix(h), |x| x.engine == e) else {
+                break;
+            };
+            if x.gen >= gen || left == 0 {
+                break;
+            }
+            left -= 1;
+            x.gen = gen;
+            if x.depth > 0 {
+                cur = Some(join(x.parent));
+            }
+        }
+    }
+
+    /// Held blocks whose parent is not held (a consistency check for tests: eviction never
+    /// makes one).
+    pub fn dangling(&self) -> usize {
+        self.table
+            .iter()
+            .filter(|x| {
+                let p = join(x.parent);
+                x.depth > 0 && self.table.find(mix(p), |y| join(y.engine) == p).is_none()
+            })
+            .count()
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.table.len() >= self.max
+    }
+
+    /// Evicts down to 7/8 of `max` (so eviction runs once per `max / 8` inserts, not per
+    /// insert): least recently used chains first, children before their parents. Calls
+    /// `gone` with each evicted block's kvroute hash.
+    pub fn evict(&mut self, mut gone: impl FnMut(u64)) -> usize {
+        let keep = self.max - self.max / 8;
+        let n = self.table.len().saturating_sub(keep);
+        if n == 0 {
+            return 0;
+        }
+        let mut keys: Vec<u64> = self.table.iter().map(Entry::evict_key).collect();
+        let (_, nth, _) = keys.select_nth_unstable(n - 1);
+        let threshold = *nth;
+        // Ties at the threshold are evicted only as far as needed.
+        let below = keys.iter().filter(|k| **k < threshold).count();
+        drop(keys);
+        let mut ties = n - below;
+        // Into a fresh table sized for `max`: erasing in place would leave tombstones, and a
+        // table of tombstones grows (to 4x the entries, measured) instead of reusing them.
+        let mut kept = HashTable::with_capacity(self.max);
+        for x in self.table.drain() {
+            let k = x.evict_key();
+            if k < threshold || (k == threshold && ties > 0) {
+                if k == threshold {
+                    ties -= 1;
+                }
+                gone(join(x.kvroute));
+            } else {
+                kept.insert_unique(mix(join(x.engine)), x, |y| mix(join(y.engine)));
+            }
+        }
+        self.table = kept;
+        n
     }
 
     pub fn remove(&mut self, engine: u64) -> Option<u64> {
@@ -87,11 +216,21 @@ impl BlockTable {
 
     /// Every held kvroute hash, parents before children.
     pub fn snapshot(&self) -> Vec<u64> {
+        self.snapshot_at_most(usize::MAX)
+    }
+
+    /// The `limit` shallowest held kvroute hashes, parents before children: a cut keeps
+    /// whole prefixes (what a prefix match can use).
+    pub fn snapshot_at_most(&self, limit: usize) -> Vec<u64> {
         let mut v: Vec<(u32, u64)> = self
             .table
             .iter()
             .map(|x| (x.depth, join(x.kvroute)))
             .collect();
+        if limit < v.len() {
+            v.select_nth_unstable_by_key(limit, |x| x.0);
+            v.truncate(limit);
+        }
         v.sort_unstable_by_key(|x| x.0);
         v.into_iter().map(|x| x.1).collect()
     }
@@ -195,6 +334,8 @@ pub struct Counts {
     pub size_mismatch: u64,
     /// Stored events whose token count does not match their blocks.
     pub bad_events: u64,
+    /// Blocks evicted because the engine's table was full (announced removed).
+    pub evicted: u64,
 }
 
 /// One engine's re-keying state.
@@ -207,8 +348,13 @@ pub struct EngineIndex {
 
 impl EngineIndex {
     pub fn new(model: &str, block_size: u32) -> Self {
+        EngineIndex::with_max_blocks(model, block_size, DEFAULT_MAX_BLOCKS)
+    }
+
+    /// An index holding at most `max_blocks` blocks (see [`BlockTable::evict`]).
+    pub fn with_max_blocks(model: &str, block_size: u32, max_blocks: usize) -> Self {
         EngineIndex {
-            blocks: BlockTable::default(),
+            blocks: BlockTable::with_max(max_blocks),
             block_size,
             model_seed: chain_seed(model, None),
             lora_seeds: HashMap::new(),
@@ -279,12 +425,31 @@ impl EngineIndex {
             },
         };
         let seed = self.seed(s.lora_name);
-        for (h, tokens) in s.block_hashes.iter().zip(s.token_ids.chunks_exact(bs)) {
+        let mut parent_engine = s.parent;
+        for (i, (h, tokens)) in s
+            .block_hashes
+            .iter()
+            .zip(s.token_ids.chunks_exact(bs))
+            .enumerate()
+        {
+            if let Some(p) = parent_engine {
+                self.blocks.touch(p);
+            }
+            if self.blocks.is_full() {
+                c.evicted += self.blocks.evict(|kv| out.remove(kv)) as u64;
+                if parent_engine.is_some_and(|p| self.blocks.get(p).is_none()) {
+                    // Only when every older chain is gone already: the rest of this one
+                    // would hang under a block the gateways no longer have.
+                    c.orphans += n - i as u64;
+                    return;
+                }
+            }
             let kv = token_block_hash(parent, tokens, seed);
-            self.blocks.insert(*h, kv, depth);
+            self.blocks.insert_under(*h, kv, depth, parent_engine);
             out.store(kv);
             c.blocks_stored += 1;
             parent = Some(kv);
+            parent_engine = Some(*h);
             depth = depth.saturating_add(1);
         }
     }

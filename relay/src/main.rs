@@ -34,7 +34,7 @@ fn main() {
 }
 
 async fn run(cfg: Config) -> Result<(), String> {
-    let hub = Hub::new(cfg.block_size, 1024);
+    let hub = Hub::with_limits(cfg.block_size, 1024, cfg.limits.clone());
     let grpc = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
@@ -97,6 +97,7 @@ async fn discover(hub: Arc<Hub>, dns: Dns, model: String, opts: EngineOpts) {
                             endpoint: format!("tcp://{host}:{}", a.port()),
                             replay: dns.replay_port.map(|p| format!("tcp://{host}:{p}")),
                             model: model.clone(),
+                            kv_blocks: None,
                         };
                         eprintln!(
                             "kvroute-relay: discovered engine {} via {}",

@@ -92,6 +92,16 @@ pub fn render_metrics(hub: &Hub) -> String {
             "counter",
             "Panics of the engine's task (worker announced stale and cleared, task restarted)",
         ),
+        (
+            "kvroute_relay_index_evicted_blocks_total",
+            "counter",
+            "Blocks evicted because the engine's index was full (announced removed)",
+        ),
+        (
+            "kvroute_relay_index_max_blocks",
+            "gauge",
+            "Most blocks the engine's index holds (kv_blocks x --index-factor)",
+        ),
     ];
     for (i, (name, kind, help)) in per_engine.iter().enumerate() {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -116,7 +126,9 @@ pub fn render_metrics(hub: &Hub) -> String {
                     0 => -1.0,
                     t => now.saturating_sub(t) as f64 / 1000.0,
                 },
-                _ => s.task_panics.load(Relaxed) as f64,
+                15 => s.task_panics.load(Relaxed) as f64,
+                16 => s.evicted.load(Relaxed) as f64,
+                _ => w.index.blocks.max() as f64,
             };
             let _ = writeln!(o, "{name}{{worker=\"{}\"}} {v}", esc(&w.name));
         }
@@ -127,7 +139,7 @@ pub fn render_metrics(hub: &Hub) -> String {
         .filter(|w| w.stats.connected.load(Relaxed))
         .count();
     let hs = &hub.stats;
-    let globals: [(&str, &str, &str, f64); 7] = [
+    let globals: [(&str, &str, &str, f64); 10] = [
         (
             "kvroute_relay_engines_connected",
             "gauge",
@@ -169,6 +181,24 @@ pub fn render_metrics(hub: &Hub) -> String {
             "gauge",
             "Heap bytes of the block index",
             st.state_bytes() as f64,
+        ),
+        (
+            "kvroute_relay_streams_refused_total",
+            "counter",
+            "Watch streams refused: over --max-streams",
+            hs.streams_refused_total.load(Relaxed) as f64,
+        ),
+        (
+            "kvroute_relay_streams_refused_per_client_total",
+            "counter",
+            "Watch streams refused: over --max-streams-per-client from one address",
+            hs.streams_refused_per_client.load(Relaxed) as f64,
+        ),
+        (
+            "kvroute_relay_snapshot_truncated_blocks_total",
+            "counter",
+            "Hashes left out of snapshots by --max-snapshot-blocks (deepest first)",
+            hs.snapshot_truncated.load(Relaxed) as f64,
         ),
     ];
     for (name, kind, help, v) in globals {

@@ -142,6 +142,7 @@ pub fn engine_spec(pub_ep: &str, replay_ep: &str) -> EngineSpec {
         endpoint: pub_ep.into(),
         replay: Some(replay_ep.into()),
         model: "m".into(),
+        kv_blocks: None,
     }
 }
 
@@ -152,6 +153,7 @@ pub fn hand_fed(name: &str) -> EngineSpec {
         endpoint: "tcp://127.0.0.1:1".into(),
         replay: None,
         model: "m".into(),
+        kv_blocks: None,
     }
 }
 
