@@ -25,6 +25,15 @@ OPTIONS:
   --block-size N         Tokens per block; must equal the engines' and the filter's (default 16).
   --listen ADDR          gRPC listen address (default 127.0.0.1:7000).
   --metrics ADDR         HTTP address for GET /metrics and GET /health (default 127.0.0.1:7001).
+AUTHENTICATION (README, Authentication):
+  --token-file PATH      The shared token every gRPC client (each gateway's Envoy) must send as
+                         `authorization: Bearer <token>`; without this flag it is read from env
+                         KVROUTE_RELAY_TOKEN. At least 16 printable ASCII bytes. Calls without it
+                         or with another are refused with UNAUTHENTICATED (counted in
+                         kvroute_relay_unauthenticated_total); the token is never logged.
+  --no-auth              Serve gRPC without a token on a non-loopback --listen address (anyone who
+                         reaches the port reads every engine's holdings and can steer gateways).
+                         Without a token a loopback --listen only warns.
   --probe-ms N           Probe every engine's replay socket every N ms (default 50; 0: off):
                          a restarted engine is announced cleared within about N ms of it
                          listening again; 3 failed probes in a row mark it stale.
@@ -32,6 +41,9 @@ SHARING (gateways' routing decisions, see README, Sharing decisions):
   --nats URL             Share decisions with other relays over NATS (nats://HOST:PORT; the
                          relay starts and reconnects by itself when NATS is down). Without it,
                          decisions are shared only between streams of this relay.
+  --nats-user NAME       Connect to NATS as this user; its password is read from
+                         --nats-password-file PATH, or else env KVROUTE_NATS_PASSWORD. The user
+                         needs publish and subscribe permission on <prefix>.> only.
   --nats-subject-prefix P
                          Subjects are P.<16-hex fingerprint of the group> (default
                          kvroute.decisions).
@@ -75,6 +87,13 @@ pub struct Config {
     pub nats_prefix: String,
     /// `--peer-timeout-ms`.
     pub peer_timeout_ms: u64,
+    /// `--token-file` (None: env KVROUTE_RELAY_TOKEN, if set).
+    pub token_file: Option<String>,
+    /// `--no-auth`.
+    pub no_auth: bool,
+    /// `--nats-user` and `--nats-password-file`.
+    pub nats_user: Option<String>,
+    pub nats_password_file: Option<String>,
     /// `--kv-blocks`, `--index-factor`, `--max-streams*`, `--max-snapshot-blocks`.
     pub limits: Limits,
 }
@@ -92,6 +111,8 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
     let mut nats_prefix = crate::share::SUBJECT_PREFIX.to_owned();
     let mut peer_timeout_ms = crate::share::PEER_TIMEOUT_MS;
     let mut limits = Limits::default();
+    let (mut token_file, mut no_auth, mut nats_user, mut nats_password_file) =
+        (None, false, None, None);
     let mut it = args.into_iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -100,6 +121,10 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         };
         if flag == "-h" || flag == "--help" {
             return Ok(None);
+        }
+        if flag == "--no-auth" {
+            no_auth = true;
+            continue;
         }
         let mut value = || -> Result<String, String> {
             inline
@@ -147,6 +172,15 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
                 }
                 nats_prefix = v;
             }
+            "--token-file" => token_file = Some(value()?),
+            "--nats-user" => {
+                let v = value()?;
+                if v.is_empty() || v.contains(char::is_whitespace) {
+                    return Err(format!("--nats-user {v:?}: expected a user name"));
+                }
+                nats_user = Some(v);
+            }
+            "--nats-password-file" => nats_password_file = Some(value()?),
             "--peer-timeout-ms" => {
                 let v = value()?;
                 peer_timeout_ms = v
@@ -167,6 +201,12 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
             }
             _ => return Err(format!("unknown argument {arg:?} (see --help)")),
         }
+    }
+    if (nats_user.is_some() || nats_password_file.is_some()) && nats.is_none() {
+        return Err("--nats-user and --nats-password-file need --nats".to_owned());
+    }
+    if nats_password_file.is_some() && nats_user.is_none() {
+        return Err("--nats-password-file needs --nats-user".to_owned());
     }
     let mut engines = Vec::new();
     for e in &raw_engines {
@@ -199,6 +239,10 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Option<Config>, 
         nats,
         nats_prefix,
         peer_timeout_ms,
+        token_file,
+        no_auth,
+        nats_user,
+        nats_password_file,
         limits,
     }))
 }
@@ -208,6 +252,24 @@ fn number(flag: &str, v: &str, min: u64, max: u64) -> Result<u64, String> {
         .ok()
         .filter(|n| (min..=max).contains(n))
         .ok_or_else(|| format!("{flag} {v:?}: expected {min}..={max}"))
+}
+
+/// A secret from `file` (trailing newline and spaces dropped, as `echo x > file` and
+/// Kubernetes Secrets leave them), or else from env `var`; None when neither is given.
+pub fn read_secret(file: Option<&str>, var: &str) -> Result<Option<String>, String> {
+    match file {
+        Some(path) => std::fs::read_to_string(path)
+            .map(|t| Some(t.trim_end().to_owned()))
+            .map_err(|e| format!("cannot read {path}: {e}")),
+        None => Ok(std::env::var(var).ok().filter(|t| !t.is_empty())),
+    }
+}
+
+/// Whether `--listen` only accepts this machine's connections.
+pub fn loopback(listen: &str) -> bool {
+    listen
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| a.ip().is_loopback())
 }
 
 fn check_addr(flag: &str, v: &str) -> Result<String, String> {
@@ -327,34 +389,18 @@ mod tests {
         assert_eq!(c.nats.as_deref(), Some("nats://127.0.0.1:4222"));
         assert_eq!(c.nats_prefix, "a.b");
         assert_eq!(c.peer_timeout_ms, 500);
-    }
-
-    #[test]
-    fn rejects_bad_flags() {
-        for bad in [
-            "",
-            "--engine w=tcp://h:1",
-            "--model m --engine w=http://h:1",
-            "--model m --engine w=tcp://h:1,bogus=1",
-            "--model m --engine w=tcp://h:1 --engine w=tcp://h:2",
-            "--model m --engine w=tcp://h:1 --block-size 0",
-            "--model m --engine w=tcp://h:1 --listen nope",
-            "--model m --engine w=tcp://h:1 --frob",
-            "--model m --engine",
-            "--engines-dns h:1",
-            "--model m --engine w=tcp://h:1 --probe-ms x",
-            "--model m --engine w=tcp://h:1 --nats-subject-prefix a.*",
-            "--model m --engine w=tcp://h:1 --nats-subject-prefix a..b",
-            "--model m --engine w=tcp://h:1 --peer-timeout-ms 0",
-            "--model m --engine w=tcp://h:1 --nats",
-        ] {
-            assert!(parse(args(bad)).is_err(), "{bad}");
-        }
-        assert_eq!(parse(args("--help")), Ok(None));
-        let c = parse(args("--model m --engines-dns pool:5557,replay_port=5558"))
-            .unwrap()
-            .unwrap();
-        assert_eq!(c.dns.unwrap().replay_port, Some(5558));
+        assert_eq!((c.token_file, c.no_auth, c.nats_user), (None, false, None));
+        let c = parse(args(
+            "--nats nats://n:4222 --nats-user relay --nats-password-file /p --token-file /t --no-auth --listen 0.0.0.0:7000",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.token_file.as_deref(), Some("/t"));
+        assert_eq!(c.nats_user.as_deref(), Some("relay"));
+        assert_eq!(c.nats_password_file.as_deref(), Some("/p"));
+        assert!(c.no_auth);
+        assert!(loopback("127.0.0.1:7000") && loopback("[::1]:7000"));
+        assert!(!loopback("0.0.0.0:7000"));
     }
 
     #[test]
@@ -389,5 +435,52 @@ mod tests {
         ] {
             assert!(parse(args(bad)).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn secrets_from_file_or_env() {
+        let path =
+            std::env::temp_dir().join(format!("kvroute-relay-secret-{}", std::process::id()));
+        std::fs::write(&path, "s3cret-token-0123456789\n").unwrap();
+        let p = path.to_str().unwrap();
+        assert_eq!(
+            read_secret(Some(p), "KVROUTE_TEST_UNSET_VAR"),
+            Ok(Some("s3cret-token-0123456789".to_owned()))
+        );
+        std::fs::remove_file(&path).unwrap();
+        assert!(read_secret(Some(p), "X").is_err());
+        assert_eq!(read_secret(None, "KVROUTE_TEST_UNSET_VAR"), Ok(None));
+    }
+
+    #[test]
+    fn rejects_bad_flags() {
+        for bad in [
+            "",
+            "--engine w=tcp://h:1",
+            "--model m --engine w=http://h:1",
+            "--model m --engine w=tcp://h:1,bogus=1",
+            "--model m --engine w=tcp://h:1 --engine w=tcp://h:2",
+            "--model m --engine w=tcp://h:1 --block-size 0",
+            "--model m --engine w=tcp://h:1 --listen nope",
+            "--model m --engine w=tcp://h:1 --frob",
+            "--model m --engine",
+            "--engines-dns h:1",
+            "--model m --engine w=tcp://h:1 --probe-ms x",
+            "--model m --engine w=tcp://h:1 --nats-subject-prefix a.*",
+            "--model m --engine w=tcp://h:1 --nats-subject-prefix a..b",
+            "--model m --engine w=tcp://h:1 --peer-timeout-ms 0",
+            "--model m --engine w=tcp://h:1 --nats",
+            "--model m --engine w=tcp://h:1 --nats-user relay",
+            "--nats nats://n:1 --nats-password-file /p",
+            "--nats nats://n:1 --nats-user",
+            "--model m --engine w=tcp://h:1 --token-file",
+        ] {
+            assert!(parse(args(bad)).is_err(), "{bad}");
+        }
+        assert_eq!(parse(args("--help")), Ok(None));
+        let c = parse(args("--model m --engines-dns pool:5557,replay_port=5558"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.dns.unwrap().replay_port, Some(5558));
     }
 }

@@ -2,6 +2,7 @@
 //! machinery (no protoc, no codegen): bidirectional; a snapshot first, then coalesced live
 //! deltas and the other gateways' decisions; the gateway's later messages carry its decisions.
 
+use crate::auth::Refusal;
 use crate::hub::{add, now_ns, Change, Hub, Refused, StreamSlot};
 use crate::index::DeltaBuilder;
 use crate::share::PeerEvent;
@@ -81,9 +82,10 @@ impl tonic::server::StreamingService<WatchRequest> for Watch {
                     req.gateway, req.block_size, hub.block_size
                 )));
             }
+            // Not the group: it names the gateways' replication namespace, which is theirs.
             eprintln!(
-                "kvroute-relay: stream opened for {:?} (block_size {}, group {:?})",
-                req.gateway, req.block_size, req.group
+                "kvroute-relay: stream opened for {:?} (block_size {})",
+                req.gateway, req.block_size
             );
             let (id, peers) = hub.share.register(&req.gateway, &req.group);
             hub.share.local_decisions(id, req.decisions);
@@ -113,7 +115,21 @@ where
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let hub = self.hub.clone();
         let want = format!("/{SERVICE}/{METHOD}");
+        // Before anything else: a caller without the token learns nothing (not even which
+        // methods exist) and nothing it sends is read.
+        let authorization = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        let refused = hub.auth.check(authorization).err();
         Box::pin(async move {
+            if let Some(why) = refused {
+                let msg = match why {
+                    Refusal::Missing => "no relay token: send `authorization: Bearer <token>` (the filter's relay.token_env)",
+                    Refusal::Wrong => "wrong relay token",
+                };
+                return Ok(Status::unauthenticated(msg).into_http());
+            }
             if req.uri().path() != want {
                 return Ok(
                     Status::unimplemented(format!("unknown method {}", req.uri().path()))

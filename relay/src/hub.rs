@@ -182,6 +182,8 @@ pub struct Hub {
     pub stats: HubStats,
     /// Gateways' decisions shared between streams (and relays, with `--nats`).
     pub share: Arc<Share>,
+    /// Who may open a Watch stream (`--token-file`).
+    pub auth: crate::auth::Auth,
     pub limits: Limits,
     pub streams: Arc<StreamGate>,
 }
@@ -233,6 +235,7 @@ impl Hub {
             epoch: random_epoch(),
             stats: HubStats::default(),
             share: Arc::new(Share::new(random_epoch())),
+            auth: crate::auth::Auth::default(),
             limits,
             streams: Arc::default(),
         })

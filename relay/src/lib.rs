@@ -1,6 +1,7 @@
 //! kvroute-relay: subscribes to inference engines' KV cache events (vLLM's ZMQ format) and
 //! serves them, re-keyed to kvroute's block hashes, as one gRPC stream per Envoy.
 
+pub mod auth;
 pub mod cli;
 pub mod decode;
 pub mod engine;

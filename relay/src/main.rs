@@ -1,4 +1,5 @@
-use kvroute_relay::cli::{parse, Config, Dns, USAGE};
+use kvroute_relay::auth::TOKEN_ENV;
+use kvroute_relay::cli::{loopback, parse, read_secret, Config, Dns, USAGE};
 use kvroute_relay::engine::{self, EngineOpts};
 use kvroute_relay::hub::{EngineSpec, Hub};
 use std::collections::HashSet;
@@ -35,6 +36,40 @@ fn main() {
 
 async fn run(cfg: Config) -> Result<(), String> {
     let hub = Hub::with_limits(cfg.block_size, 1024, cfg.limits.clone());
+    // Secrets are read before anything listens, so a bad one stops the start.
+    let token_from = cfg.token_file.as_deref().unwrap_or(TOKEN_ENV);
+    match read_secret(cfg.token_file.as_deref(), TOKEN_ENV)? {
+        Some(t) => {
+            hub.auth.require(&t).map_err(|e| format!("{token_from}: {e}"))?;
+            eprintln!("kvroute-relay: gRPC clients must send the relay token (from {token_from})");
+        }
+        None if cfg.no_auth || loopback(&cfg.listen) => eprintln!(
+            "kvroute-relay: warning: no relay token (--token-file or {TOKEN_ENV}): whoever reaches {} reads every engine's holdings and can steer the gateways",
+            cfg.listen
+        ),
+        None => {
+            return Err(format!(
+                "--listen {} is not a loopback address and no relay token is set: give --token-file PATH or {TOKEN_ENV} (or --no-auth to serve anyone)",
+                cfg.listen
+            ))
+        }
+    }
+    let nats_creds = match &cfg.nats_user {
+        Some(user) => {
+            let from = cfg
+                .nats_password_file
+                .as_deref()
+                .unwrap_or("KVROUTE_NATS_PASSWORD");
+            let password = read_secret(cfg.nats_password_file.as_deref(), "KVROUTE_NATS_PASSWORD")?
+                .ok_or_else(|| format!("--nats-user {user}: no password (--nats-password-file PATH or KVROUTE_NATS_PASSWORD)"))?;
+            eprintln!("kvroute-relay: NATS user {user:?}, password from {from}");
+            Some(kvroute_relay::share::NatsCreds {
+                user: user.clone(),
+                password,
+            })
+        }
+        None => None,
+    };
     let grpc = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", cfg.listen))?;
@@ -56,7 +91,10 @@ async fn run(cfg: Config) -> Result<(), String> {
             prefix: cfg.nats_prefix.clone(),
             peer_timeout: Duration::from_millis(cfg.peer_timeout_ms),
         };
-        kvroute_relay::share::start_nats(hub.share.clone(), opts).await?;
+        if nats_creds.is_none() {
+            eprintln!("kvroute-relay: warning: NATS without credentials (--nats-user): whoever reaches the server reads and forges the gateways' decisions");
+        }
+        kvroute_relay::share::start_nats_as(hub.share.clone(), opts, nats_creds).await?;
     } else {
         eprintln!(
             "kvroute-relay: no --nats: decisions are shared only between this relay's streams"

@@ -206,6 +206,7 @@ pub fn render_metrics(hub: &Hub) -> String {
     }
     drop(st);
     hub.share.render(&mut o);
+    hub.auth.render(&mut o);
     o
 }
 

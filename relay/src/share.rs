@@ -220,6 +220,30 @@ pub struct NatsOpts {
     pub peer_timeout: Duration,
 }
 
+/// `--nats-user` and its password. Debug does not print the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NatsCreds {
+    pub user: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for NatsCreds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NatsCreds({:?}, password hidden)", self.user)
+    }
+}
+
+/// The URL as logged: credentials in it (nats://user:pass@host) are not.
+fn shown_url(url: &str) -> String {
+    match url.split_once("://").and_then(|(s, rest)| {
+        let (userinfo, host) = rest.rsplit_once('@')?;
+        (!userinfo.is_empty()).then(|| format!("{s}://***@{host}"))
+    }) {
+        Some(u) => u,
+        None => url.to_owned(),
+    }
+}
+
 impl Share {
     pub fn new(relay_id: u64) -> Share {
         Share {
@@ -601,6 +625,16 @@ impl Share {
 /// Connects to NATS (in the background: the relay starts even when NATS is down; the client
 /// reconnects by itself) and starts the publisher, the subscriber and the peer reaper.
 pub async fn start_nats(share: Arc<Share>, opts: NatsOpts) -> Result<(), String> {
+    start_nats_as(share, opts, None).await
+}
+
+/// `start_nats`, connecting as `creds` (NATS user and password) when given.
+pub async fn start_nats_as(
+    share: Arc<Share>,
+    opts: NatsOpts,
+    creds: Option<NatsCreds>,
+) -> Result<(), String> {
+    let shown = shown_url(&opts.url);
     share
         .peer_timeout_ms
         .store(opts.peer_timeout.as_millis() as u64, Relaxed);
@@ -616,7 +650,11 @@ pub async fn start_nats(share: Arc<Share>, opts: NatsOpts) -> Result<(), String>
         return Err("NATS sharing started twice".to_owned());
     }
     let s = share.clone();
-    let client = async_nats::ConnectOptions::new()
+    let mut connect = async_nats::ConnectOptions::new();
+    if let Some(c) = creds {
+        connect = connect.user_and_password(c.user, c.password);
+    }
+    let client = connect
         .name("kvroute-relay")
         .no_echo()
         .retry_on_initial_connect()
@@ -630,15 +668,14 @@ pub async fn start_nats(share: Arc<Share>, opts: NatsOpts) -> Result<(), String>
         })
         .connect(opts.url.as_str())
         .await
-        .map_err(|e| format!("--nats {}: {e}", opts.url))?;
+        .map_err(|e| format!("--nats {shown}: {e}"))?;
     let wildcard = format!("{}.*", opts.prefix);
     let sub = client
         .subscribe(wildcard.clone())
         .await
-        .map_err(|e| format!("--nats {}: subscribe {wildcard}: {e}", opts.url))?;
+        .map_err(|e| format!("--nats {shown}: subscribe {wildcard}: {e}"))?;
     eprintln!(
-        "kvroute-relay: sharing decisions over NATS {} (subjects {wildcard}, relay id {:016x}, peer timeout {} ms)",
-        opts.url,
+        "kvroute-relay: sharing decisions over NATS {shown} (subjects {wildcard}, relay id {:016x}, peer timeout {} ms)",
         share.relay_id,
         opts.peer_timeout.as_millis()
     );
@@ -796,6 +833,17 @@ async fn publish(share: &Share, client: &async_nats::Client, prefix: &str, msg: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_stay_out_of_logs() {
+        assert_eq!(shown_url("nats://u:p@h:4222"), "nats://***@h:4222");
+        assert_eq!(shown_url("nats://h:4222"), "nats://h:4222");
+        let c = NatsCreds {
+            user: "relay".into(),
+            password: "hunter2".into(),
+        };
+        assert!(!format!("{c:?}").contains("hunter2"));
+    }
 
     #[test]
     fn subjects_and_payload() {

@@ -48,15 +48,23 @@ fn free_port() -> u16 {
 pub struct NatsServer {
     bin: PathBuf,
     port: u16,
+    /// More arguments (e.g. `-c FILE` for an authorization config).
+    extra: Vec<String>,
     child: Option<Child>,
 }
 
 impl NatsServer {
     /// Starts it and waits (up to 10 s) until it listens.
     pub async fn start(bin: PathBuf) -> NatsServer {
+        NatsServer::start_with(bin, Vec::new()).await
+    }
+
+    /// `start` with more command-line arguments.
+    pub async fn start_with(bin: PathBuf, extra: Vec<String>) -> NatsServer {
         let mut s = NatsServer {
             bin,
             port: free_port(),
+            extra,
             child: None,
         };
         s.restart().await;
@@ -71,6 +79,7 @@ impl NatsServer {
     pub async fn restart(&mut self) {
         let child = Command::new(&self.bin)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
