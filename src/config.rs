@@ -378,7 +378,7 @@ impl Default for HealthConfig {
             cooldown_ms: 5_000,
             first_byte_timeout_ms: 30_000,
             prefill_slack: 4.0,
-            output_token_ms: 100,
+            output_token_ms: 250,
         }
     }
 }

@@ -84,10 +84,10 @@ mod tests {
     #[test]
     fn non_streaming_answers_wait_for_their_generation() {
         let c = Config::default();
-        // + 500 tokens x 100 ms.
+        // + 500 tokens x 250 ms.
         assert_eq!(
             first_byte_timeout_ms(&c, &wait(1000.0, false, Some(500))),
-            Some(80_480)
+            Some(155_480)
         );
         // No max_tokens: the engine may generate to its context length; no bound.
         assert_eq!(first_byte_timeout_ms(&c, &wait(1000.0, false, None)), None);

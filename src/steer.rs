@@ -376,12 +376,12 @@ mod tests {
         let RouteResult::Routed(d) = r.route(ApiKind::Completions, body, 0) else {
             panic!("rejected")
         };
-        // 30 s floor + 4 x the prefill estimate + 10 tokens x 100 ms.
+        // 30 s floor + 4 x the prefill estimate + 10 tokens x 250 ms.
         let ms: u64 = get(&request_headers(&r, &d), crate::stall::PER_TRY_TIMEOUT)
             .unwrap()
             .parse()
             .unwrap();
-        assert!((31_000..31_200).contains(&ms), "{ms}");
+        assert!((32_500..32_700).contains(&ms), "{ms}");
         // No max_tokens and not a stream: no bound, Envoy's route decides.
         let body = br#"{"model":"m","prompt":"hello there"}"#;
         let RouteResult::Routed(d) = r.route(ApiKind::Completions, body, 0) else {

@@ -1839,12 +1839,12 @@ fn the_index_insert_waits_until_the_first_byte_has_gone() {
 fn a_routed_request_tells_envoy_how_long_a_try_may_wait() {
     let vm = Vm::new(NO_DISAGG);
     let _ = vm.post("bounded");
-    // 30 s floor + 4 x the prefill estimate + 4 tokens x 100 ms (not a stream).
+    // 30 s floor + 4 x the prefill estimate + 4 tokens x 250 ms (not a stream).
     let ms: u64 = vm
         .req_header("x-envoy-upstream-rq-per-try-timeout-ms")
         .and_then(|v| v.parse().ok())
         .unwrap();
-    assert!((30_400..30_600).contains(&ms), "{ms}");
+    assert!((31_000..31_200).contains(&ms), "{ms}");
     let _ = vm.post_json(serde_json::json!({"model":"m","prompt":"unbounded"}));
     assert_eq!(
         vm.req_header("x-envoy-upstream-rq-per-try-timeout-ms"),

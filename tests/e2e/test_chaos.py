@@ -175,7 +175,7 @@ def garbage_orca():
 
 # The per-try bound on the wait for response headers (src/stall.rs), scaled down for a test:
 # 1 s, plus 20 ms per max_tokens token of a non-streaming answer, plus its prefill at 5,000
-# tokens/s. Shipped: 30 s, 100 ms per token, 4x the prefill at 10,000 tokens/s.
+# tokens/s. Shipped: 30 s, 250 ms per token, 4x the prefill at 10,000 tokens/s.
 STALL = {"health": {"first_byte_timeout_ms": 1000, "output_token_ms": 20, "prefill_slack": 1.0},
          "load": {"prefill_tokens_per_s": 5000.0}}
 
