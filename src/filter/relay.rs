@@ -411,8 +411,10 @@ impl State {
         }
         for g in u.gone.iter().filter(|g| **g != own) {
             self.metrics.peers_gone.inc();
+            // Debug, not Info: every stream that closes anywhere in the group is announced to
+            // every gateway (one line per Envoy per close); the count is in peers_gone.
             self.host.log(
-                LogLevel::Info,
+                LogLevel::Debug,
                 &format!("kvroute: gateway {g} is gone; releasing the requests it had charged"),
             );
             let tag = peers::peer_tag(g);
