@@ -56,6 +56,13 @@ pub struct Config {
     /// Report the engine's own timing (`x-mock-engine-timing`), the mock's one addition to
     /// vLLM's responses.
     pub engine_timing: bool,
+    /// vLLM keeps one of its `num_gpu_blocks` as the null block (never allocated), so
+    /// `--kv-blocks N` holds N - 1 blocks of KV and usage is over N - 1. `--no-null-block`:
+    /// the old mock's N.
+    pub null_block: bool,
+    /// vLLM 0.32 caches a recomputed block equal to a cached one as a second copy (see
+    /// `kv.rs`); `--no-duplicate-blocks`: the old mock, which left it uncached.
+    pub duplicate_blocks: bool,
     /// `--kv-events`: bind a ZeroMQ PUB socket there and publish vLLM's KV cache events.
     pub kv_events: Option<String>,
     /// `--kv-events-replay`: bind vLLM's ROUTER replay socket there.
@@ -165,11 +172,13 @@ impl Default for Config {
             context_attention: true,
             cache_at_pass_end: false,
             engine_timing: true,
+            null_block: true,
+            duplicate_blocks: true,
             kv_events: None,
             kv_events_replay: None,
             kv_events_topic: String::new(),
             kv_events_buffer: 10_000,
-            kv_events_format: crate::kv_events::Format::Array,
+            kv_events_format: crate::kv_events::Format::Vllm032,
         };
         c.apply_preset(&PRESETS[0]);
         c
@@ -238,13 +247,22 @@ KV cache events (vLLM's --kv-events-config with the zmq publisher; off by defaul
                                [\"\", -1, \"\"]
   --kv-events-topic T          Topic frame [default: empty, as vLLM]
   --kv-events-buffer N         Batches kept for replay (vLLM buffer_steps) [default: 10000]
-  --kv-events-format F         array: positional events (vLLM before PR #42892); map: events
-                               as maps tagged \"type\" (vLLM since mid 2026) [default: array]
-  POST /reset_prefix_cache clears the prefix cache and publishes AllBlocksCleared.
+  --kv-events-format F         vllm-0.32: what vLLM 0.32 sends (maps tagged \"type\" with
+                               extra_keys, group_idx, kv_cache_spec_kind; replay answers with
+                               the topic frame); map: the mock's older maps (vLLM after PR
+                               #42892); array: positional events (vLLM before PR #42892).
+                               map and array also keep the old mock's AllBlocksCleared at
+                               start-up and at once on a reset [default: vllm-0.32]
+  POST /reset_prefix_cache clears the prefix cache and publishes AllBlocksCleared (with
+  vllm-0.32, as vLLM, at the engine's next step).
 
 Old mock behaviour:
   --orca-on-stream             ORCA report on every response, streams included (taken when
                                the headers leave), with num_requests_running too
+  --no-null-block              --kv-blocks N holds N blocks (vLLM keeps one as its null
+                               block: N - 1)
+  --no-duplicate-blocks        A recomputed block equal to a cached one stays uncached (vLLM
+                               0.32 caches it as a second copy)
 
 Disaggregation:
   --role both|prefill|decode   prefill: compute the prompt, then hand the request to the decode
@@ -315,6 +333,8 @@ impl Config {
                 "--no-context-attention" => c.context_attention = false,
                 "--cache-at-pass-end" => c.cache_at_pass_end = true,
                 "--no-engine-timing" => c.engine_timing = false,
+                "--no-null-block" => c.null_block = false,
+                "--no-duplicate-blocks" => c.duplicate_blocks = false,
                 "--threads" => c.threads = num(&flag, &val()?)?,
                 "--max-model-len" => c.max_model_len = num(&flag, &val()?)?,
                 "--block-size" => c.block_size = num(&flag, &val()?)?,
@@ -351,8 +371,9 @@ impl Config {
                 "--kv-events-buffer" => c.kv_events_buffer = num(&flag, &val()?)?,
                 "--kv-events-format" => {
                     let v = val()?;
-                    c.kv_events_format = crate::kv_events::Format::parse(&v)
-                        .ok_or_else(|| format!("--kv-events-format: array or map, not {v:?}"))?;
+                    c.kv_events_format = crate::kv_events::Format::parse(&v).ok_or_else(|| {
+                        format!("--kv-events-format: vllm-0.32, map or array, not {v:?}")
+                    })?;
                 }
                 "--kv-bytes-per-token" => c.kv_bytes_per_token = num(&flag, &val()?)?,
                 "--kv-transfer-bandwidth" => c.kv_transfer_bandwidth = num(&flag, &val()?)?,

@@ -187,6 +187,8 @@ pub struct EngineState {
     max_num_seqs: usize,
     context_attention: bool,
     cache_at_schedule: bool,
+    /// `Format::legacy`: AllBlocksCleared at start-up and at once on a reset.
+    legacy_events: bool,
     pub metrics: Metrics,
     /// `--kv-events`: where each step's KV cache events go (never waited on).
     events_tx: Option<mpsc::Sender<Batch>>,
@@ -201,8 +203,20 @@ pub struct Load {
 
 impl EngineState {
     pub fn new(cfg: &Config) -> Self {
+        // vLLM's null block: one of num_gpu_blocks is never allocated.
+        let usable = if cfg.null_block {
+            cfg.kv_blocks.saturating_sub(1).max(1)
+        } else {
+            cfg.kv_blocks
+        };
+        let cache = KvCache::new(usable);
         EngineState {
-            cache: KvCache::new(cfg.kv_blocks),
+            cache: if cfg.duplicate_blocks {
+                cache
+            } else {
+                cache.single_copies()
+            },
+            legacy_events: cfg.kv_events_format.legacy(),
             waiting: VecDeque::new(),
             running: Vec::with_capacity(cfg.max_num_seqs),
             block_size: cfg.block_size,
@@ -215,12 +229,14 @@ impl EngineState {
         }
     }
 
-    /// Starts publishing KV cache events to `tx`, beginning (as vLLM's first batch does)
-    /// with AllBlocksCleared.
+    /// Starts publishing KV cache events to `tx`; the old mock's formats begin with
+    /// AllBlocksCleared (vLLM 0.32 publishes nothing before its first cache change).
     pub fn publish_events(&mut self, tx: mpsc::Sender<Batch>) {
         self.cache.enable_events();
         self.events_tx = Some(tx);
-        self.send_batch(vec![KvEvent::AllBlocksCleared]);
+        if self.legacy_events {
+            self.send_batch(vec![KvEvent::AllBlocksCleared]);
+        }
     }
 
     /// Hands this step's events to the publisher, or drops and counts them when its queue is
@@ -242,10 +258,13 @@ impl EngineState {
         }
     }
 
-    /// vLLM's `POST /reset_prefix_cache`.
+    /// vLLM's `POST /reset_prefix_cache`. Its AllBlocksCleared leaves with the next pass's
+    /// events, as vLLM's does with its next step's (the old formats: at once).
     pub fn reset_prefix_cache(&mut self) {
         self.cache.reset_prefix_cache();
-        self.flush_events();
+        if self.legacy_events {
+            self.flush_events();
+        }
     }
 
     pub fn load(&self) -> Load {
@@ -658,6 +677,8 @@ mod tests {
             max_batched_tokens: budget,
             max_num_seqs: seqs,
             block_size: 4,
+            // The scheduling tests count blocks as given (`kv_blocks_include_vllms_null_block`).
+            null_block: false,
             ..Config::default()
         }
     }
@@ -920,14 +941,20 @@ mod tests {
     #[test]
     fn kv_events_never_block_the_engine_and_drops_are_counted() {
         let mut st = EngineState::new(&cfg(100, 1000, 8));
-        // Room for one batch: the start-up AllBlocksCleared fills it.
+        // Room for one batch: the first request's stored blocks fill it.
         let (tx, mut rx) = mpsc::channel(1);
         st.publish_events(tx);
+        assert!(
+            rx.try_recv().is_err(),
+            "vLLM 0.32 publishes nothing at start-up"
+        );
         let _a = st.submit(req(1, 20, 2), Instant::now());
+        drain(&mut st);
+        let _b = st.submit(req(3, 20, 2), Instant::now());
         drain(&mut st);
         assert!(st.metrics.kv_event_batches_dropped >= 1);
         let first = rx.try_recv().unwrap();
-        assert_eq!(first.events, vec![KvEvent::AllBlocksCleared]);
+        assert!(matches!(first.events[..], [KvEvent::BlockStored { .. }]));
         assert!(rx.try_recv().is_err());
         // With room, a step's stored blocks arrive as one batch with the prompt's tokens.
         let (tx, mut rx) = mpsc::channel(64);
@@ -937,7 +964,6 @@ mod tests {
         let prompt = r.tokens.clone();
         let _b = st.submit(r, Instant::now());
         st.schedule();
-        rx.try_recv().unwrap(); // AllBlocksCleared
         let batch = rx.try_recv().unwrap();
         assert_eq!(batch.data_parallel_rank, Some(0));
         match &batch.events[..] {
@@ -953,6 +979,47 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(st.metrics.kv_event_batches_dropped, 0);
+        // A reset's AllBlocksCleared goes out with the next step's events, as vLLM's.
+        drain(&mut st);
+        while rx.try_recv().is_ok() {}
+        st.reset_prefix_cache();
+        assert!(rx.try_recv().is_err());
+        let _c = st.submit(req(4, 3, 1), Instant::now());
+        st.schedule();
+        assert_eq!(
+            rx.try_recv().unwrap().events,
+            vec![KvEvent::AllBlocksCleared]
+        );
+    }
+
+    #[test]
+    fn old_event_formats_clear_at_start_up_and_at_once() {
+        let old = Config {
+            kv_events_format: crate::kv_events::Format::Map,
+            ..cfg(100, 1000, 8)
+        };
+        let mut st = EngineState::new(&old);
+        let (tx, mut rx) = mpsc::channel(8);
+        st.publish_events(tx);
+        assert_eq!(
+            rx.try_recv().unwrap().events,
+            vec![KvEvent::AllBlocksCleared]
+        );
+        st.reset_prefix_cache();
+        assert_eq!(
+            rx.try_recv().unwrap().events,
+            vec![KvEvent::AllBlocksCleared]
+        );
+    }
+
+    #[test]
+    fn kv_blocks_include_vllms_null_block() {
+        let st = EngineState::new(&Config {
+            null_block: true,
+            ..cfg(16, 1000, 8)
+        });
+        assert_eq!(st.cache.capacity(), 15);
+        assert_eq!(EngineState::new(&cfg(16, 1000, 8)).cache.capacity(), 16);
     }
 
     #[test]

@@ -5,6 +5,12 @@
 //! allocation takes from the head, so the least recently freed block is evicted first. A
 //! request frees its blocks leaf first, so within one chain the deepest block is evicted
 //! before its parents and a surviving prefix stays usable.
+//!
+//! As in vLLM 0.32, a full block computed again while an equal block is cached (a prompt hit
+//! up to its last block, whose last token must be recomputed) is cached too: both copies are
+//! announced (BlockStored) and removed (BlockRemoved) one by one, and both take capacity
+//! until evicted. `KvCache::single_copies` brings back the old mock, which left the
+//! duplicate uncached.
 
 use std::collections::HashMap;
 
@@ -68,7 +74,11 @@ struct Block {
 
 pub struct KvCache {
     blocks: Vec<Block>,
+    /// The copy of each cached prefix that hits serve (the first cached).
     map: HashMap<u64, BlockId>,
+    /// Further copies of a cached prefix, in caching order (rare: see the module doc).
+    copies: HashMap<u64, Vec<BlockId>>,
+    keep_copies: bool,
     head: u32,
     tail: u32,
     free_len: usize,
@@ -92,6 +102,8 @@ impl KvCache {
                 capacity
             ],
             map: HashMap::with_capacity(capacity),
+            copies: HashMap::new(),
+            keep_copies: true,
             head: NONE,
             tail: NONE,
             free_len: 0,
@@ -102,6 +114,12 @@ impl KvCache {
             c.push_back(b);
         }
         c
+    }
+
+    /// The old mock: a block equal to a cached one is not cached again (`--no-duplicate-blocks`).
+    pub fn single_copies(mut self) -> Self {
+        self.keep_copies = false;
+        self
     }
 
     pub fn capacity(&self) -> usize {
@@ -116,7 +134,7 @@ impl KvCache {
         1.0 - self.free_len as f64 / self.blocks.len() as f64
     }
     pub fn cached_blocks(&self) -> usize {
-        self.map.len()
+        self.map.len() + self.copies.values().map(Vec::len).sum::<usize>()
     }
 
     /// Starts recording KV cache events (for `--kv-events`).
@@ -133,6 +151,7 @@ impl KvCache {
     /// requests keep their content but are no longer shared) and records AllBlocksCleared.
     pub fn reset_prefix_cache(&mut self) {
         self.map.clear();
+        self.copies.clear();
         for b in &mut self.blocks {
             b.hash = None;
         }
@@ -230,9 +249,7 @@ impl KvCache {
             self.unlink(b);
             let blk = &mut self.blocks[b as usize];
             if let Some(h) = blk.hash.take() {
-                // Another block may have taken over the hash since; only drop our own entry.
-                if self.map.get(&h) == Some(&b) {
-                    self.map.remove(&h);
+                if self.forget(h, b) {
                     if let Some(ev) = &mut self.events {
                         ev.push(KvEvent::BlockRemoved {
                             block_hashes: vec![h],
@@ -247,21 +264,56 @@ impl KvCache {
         true
     }
 
+    /// Drops block `b`'s entry for `hash` (a further copy takes over hits); false when `b`
+    /// held none.
+    fn forget(&mut self, hash: u64, b: BlockId) -> bool {
+        let copies = self.copies.get_mut(&hash);
+        if self.map.get(&hash) == Some(&b) {
+            match copies {
+                Some(v) => {
+                    let next = v.remove(0);
+                    if v.is_empty() {
+                        self.copies.remove(&hash);
+                    }
+                    self.map.insert(hash, next);
+                }
+                None => {
+                    self.map.remove(&hash);
+                }
+            }
+            return true;
+        }
+        let Some(v) = copies else { return false };
+        let Some(i) = v.iter().position(|&x| x == b) else {
+            return false;
+        };
+        v.remove(i);
+        if v.is_empty() {
+            self.copies.remove(&hash);
+        }
+        true
+    }
+
     /// Marks a held, now full and computed block as holding the prefix `hash`. If an equal
-    /// block is already cached the first one stays canonical (as in vLLM; duplicates are
-    /// simply not shared).
-    /// Returns whether the block became the cached copy of `hash`.
+    /// block is already cached, the first one keeps serving hits and this one is cached as a
+    /// further copy (vLLM 0.32), or, with `single_copies`, not cached at all.
+    /// Returns whether the block was cached.
     pub fn register(&mut self, b: BlockId, hash: u64) -> bool {
         let blk = &mut self.blocks[b as usize];
         if blk.hash.is_some() {
             return false;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.map.entry(hash) {
-            e.insert(b);
-            blk.hash = Some(hash);
-            return true;
+        match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(b);
+            }
+            std::collections::hash_map::Entry::Occupied(_) if self.keep_copies => {
+                self.copies.entry(hash).or_default().push(b);
+            }
+            std::collections::hash_map::Entry::Occupied(_) => return false,
         }
-        false
+        blk.hash = Some(hash);
+        true
     }
 
     /// Registers blocks `from..to` of one request (`blocks`, `hashes` and `tokens` are the
@@ -439,7 +491,8 @@ mod tests {
 
     #[test]
     fn events_record_stored_runs_and_evictions() {
-        let mut c = KvCache::new(4);
+        // The old mock (`single_copies`): a block already cached elsewhere splits the run.
+        let mut c = KvCache::new(4).single_copies();
         c.enable_events();
         let toks: Vec<u32> = (0..12).collect();
         let mut h = vec![];
@@ -486,6 +539,54 @@ mod tests {
         assert!(quiet.allocate(1, &mut b));
         quiet.register_run(&b, &h, &toks, 4, 0, 1);
         assert!(quiet.take_events().is_empty());
+    }
+
+    #[test]
+    fn a_recomputed_block_is_cached_as_a_copy_as_in_vllm_032() {
+        let mut c = KvCache::new(4);
+        c.enable_events();
+        let toks: Vec<u32> = (0..8).collect();
+        let mut h = vec![];
+        extend_hashes(&mut h, 0, &toks, 4);
+        let mut first = vec![];
+        assert!(c.allocate(2, &mut first));
+        c.register_run(&first, &h, &toks, 4, 0, 2);
+        c.release(&mut first);
+        // The same 8 tokens again: block 0 hits, block 1 is recomputed (it holds the last
+        // prompt token) and stored as a second copy, in one event like vLLM's.
+        let mut second = vec![];
+        c.acquire_hits(&h[..1], &mut second);
+        assert!(c.allocate(1, &mut second));
+        c.take_events();
+        c.register_run(&second, &h, &toks, 4, 1, 2);
+        let copy = second[1];
+        assert_eq!(
+            c.take_events(),
+            vec![KvEvent::BlockStored {
+                block_hashes: vec![h[1]],
+                parent_block_hash: Some(h[0]),
+                token_ids: toks[4..8].to_vec(),
+                block_size: 4,
+            }]
+        );
+        assert_eq!(c.cached_blocks(), 3);
+        c.release(&mut second);
+        // Both copies leave one by one, each with its BlockRemoved; the prefix hits until the
+        // last copy is gone.
+        let removed = |i: usize| KvEvent::BlockRemoved {
+            block_hashes: vec![h[i]],
+        };
+        let mut out = vec![];
+        assert!(c.allocate(2, &mut out));
+        assert!(!out.contains(&copy), "the copy was freed last");
+        assert_eq!(c.take_events(), vec![removed(1)]);
+        assert_eq!(c.lookup(&h), 2, "the copy serves block 1 now");
+        assert!(c.allocate(1, &mut out));
+        assert_eq!(c.take_events(), vec![removed(1)]);
+        assert_eq!(c.lookup(&h), 1);
+        assert!(c.allocate(1, &mut out));
+        assert_eq!(c.take_events(), vec![removed(0)]);
+        assert_eq!((c.lookup(&h), c.cached_blocks()), (0, 0));
     }
 
     #[test]

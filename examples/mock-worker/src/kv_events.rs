@@ -90,10 +90,16 @@ impl Batch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Format {
     /// Positional events (`array_like`), vLLM before PR #42892.
-    #[default]
     Array,
     /// Events as maps with a `"type"` tag, vLLM after PR #42892 (batch still positional).
     Map,
+    /// What vLLM 0.32 sends (checked against it, tests/e2e/test_vllm_diff.py): `Map` plus
+    /// `extra_keys` (one nil per block), `group_idx` 0 and `kv_cache_spec_kind`
+    /// "full_attention" in BlockStored, `group_idx` 0 in BlockRemoved; replay answers carry
+    /// the topic frame (`["", topic, seq, payload]`, end `["", "", -1, ""]`); no
+    /// AllBlocksCleared at start-up, and a reset's goes out with the engine's next step.
+    #[default]
+    Vllm032,
 }
 
 impl Format {
@@ -101,8 +107,15 @@ impl Format {
         match s {
             "array" => Some(Format::Array),
             "map" => Some(Format::Map),
+            "vllm-0.32" => Some(Format::Vllm032),
             _ => None,
         }
+    }
+
+    /// The mock's behaviour before vLLM 0.32 was checked: AllBlocksCleared as the first
+    /// batch and at once on a reset, replay answers without the topic frame.
+    pub fn legacy(self) -> bool {
+        self != Format::Vllm032
     }
 }
 
@@ -111,6 +124,7 @@ impl std::fmt::Display for Format {
         f.write_str(match self {
             Format::Array => "array",
             Format::Map => "map",
+            Format::Vllm032 => "vllm-0.32",
         })
     }
 }
@@ -163,7 +177,8 @@ pub fn encode(b: &Batch, format: Format) -> Vec<u8> {
     for e in &b.events {
         match format {
             Format::Array => encode_array(&mut o, e),
-            Format::Map => encode_map(&mut o, e),
+            Format::Map => encode_map(&mut o, e, false),
+            Format::Vllm032 => encode_map(&mut o, e, true),
         }
     }
     if let Some(r) = b.data_parallel_rank {
@@ -205,7 +220,8 @@ fn encode_array(o: &mut Vec<u8>, e: &KvEvent) {
     }
 }
 
-fn encode_map(o: &mut Vec<u8>, e: &KvEvent) {
+/// `v032`: with the defaulted fields vLLM 0.32 sets (see `Format::Vllm032`).
+fn encode_map(o: &mut Vec<u8>, e: &KvEvent, v032: bool) {
     match e {
         KvEvent::BlockStored {
             block_hashes,
@@ -214,8 +230,8 @@ fn encode_map(o: &mut Vec<u8>, e: &KvEvent) {
             block_size,
         } => {
             // msgspec puts the tag first, then the fields in order; fields without a default
-            // are always written, defaulted ones only when set (never, here).
-            map(o, 8);
+            // are always written, defaulted ones only when set.
+            map(o, if v032 { 11 } else { 8 });
             str_(o, "type");
             str_(o, "BlockStored");
             str_(o, "block_hashes");
@@ -232,15 +248,30 @@ fn encode_map(o: &mut Vec<u8>, e: &KvEvent) {
             str_(o, MEDIUM_GPU);
             str_(o, "lora_name");
             nil(o);
+            if v032 {
+                str_(o, "extra_keys");
+                arr(o, block_hashes.len());
+                for _ in block_hashes {
+                    nil(o);
+                }
+                str_(o, "group_idx");
+                uint(o, 0);
+                str_(o, "kv_cache_spec_kind");
+                str_(o, "full_attention");
+            }
         }
         KvEvent::BlockRemoved { block_hashes } => {
-            map(o, 3);
+            map(o, if v032 { 4 } else { 3 });
             str_(o, "type");
             str_(o, "BlockRemoved");
             str_(o, "block_hashes");
             uints(o, block_hashes.iter().copied());
             str_(o, "medium");
             str_(o, MEDIUM_GPU);
+            if v032 {
+                str_(o, "group_idx");
+                uint(o, 0);
+            }
         }
         KvEvent::AllBlocksCleared => {
             map(o, 1);
@@ -301,7 +332,9 @@ pub async fn start(
                 .await
                 .map_err(|e| format!("--kv-events-replay {ep}: {e}"))?
                 .to_string();
-            tokio::spawn(serve_replay(router, buffer.clone()));
+            // vLLM 0.32 puts the topic frame in replay answers; the older mock did not.
+            let topic = (!s.format.legacy()).then(|| Bytes::from(s.topic.clone().into_bytes()));
+            tokio::spawn(serve_replay(router, buffer.clone(), topic));
             Some(bound)
         }
         None => None,
@@ -341,7 +374,7 @@ async fn publish_loop(
     }
 }
 
-async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
+async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer, topic: Option<Bytes>) {
     loop {
         let Ok(req) = router.recv().await else {
             continue;
@@ -362,13 +395,20 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
             .filter(|(s, _)| *s >= start)
             .cloned()
             .collect();
-        let reply = |seq: Bytes, payload: Bytes| {
-            ZmqMessage::try_from(vec![id.clone(), delim.clone(), seq, payload]).expect("frames")
+        let reply = |topic: Option<Bytes>, seq: Bytes, payload: Bytes| {
+            let mut frames = vec![id.clone(), delim.clone()];
+            frames.extend(topic);
+            frames.extend([seq, payload]);
+            ZmqMessage::try_from(frames).expect("frames")
         };
         let mut ok = true;
         for (seq, payload) in items {
             if router
-                .send(reply(Bytes::copy_from_slice(&seq.to_be_bytes()), payload))
+                .send(reply(
+                    topic.clone(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ))
                 .await
                 .is_err()
             {
@@ -378,7 +418,11 @@ async fn serve_replay(mut router: zeromq::RouterSocket, buffer: Buffer) {
         }
         if ok {
             let _ = router
-                .send(reply(Bytes::from_static(&END_SEQ), Bytes::new()))
+                .send(reply(
+                    topic.as_ref().map(|_| Bytes::new()),
+                    Bytes::from_static(&END_SEQ),
+                    Bytes::new(),
+                ))
                 .await;
         }
     }
