@@ -72,6 +72,10 @@ KVROUTE_ADMIN_PORT=$(free_port)
 KVROUTE_PORT_2=$(free_port)
 KVROUTE_ADMIN_PORT_2=$(free_port)
 export KVROUTE_PORT KVROUTE_ADMIN_PORT KVROUTE_PORT_2 KVROUTE_ADMIN_PORT_2
+# Fresh secrets for this run: the relay token (relays and Envoys) and NATS's relay password.
+KVROUTE_RELAY_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+KVROUTE_NATS_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+export KVROUTE_RELAY_TOKEN KVROUTE_NATS_PASSWORD
 unset KVROUTE_BIND KVROUTE_ENVOY_CONFIG
 base1=http://127.0.0.1:$KVROUTE_PORT
 admin1=http://127.0.0.1:$KVROUTE_ADMIN_PORT
@@ -228,6 +232,16 @@ streams_live() {
 deadline=$(( $(date +%s) + 30 ))
 until streams_live || [ "$(date +%s)" -ge "$deadline" ]; do sleep 0.5; done
 check "both gateways' relay streams are live (kvroute_precise_stream_live: envoy-1 $(prom "$admin1" kvroute_precise_stream_live), envoy-2 $(prom "$admin2" kvroute_precise_stream_live))" streams_live
+# ...with authentication on: the relays demand the token (which the Envoys sent), and both
+# reached NATS as its user (the server refuses anonymous clients).
+auth_on() {
+    local r
+    for r in relay-1 relay-2; do
+        compose logs --no-color "$r" 2>&1 | grep -q "gRPC clients must send the relay token" || return 1
+        compose logs --no-color "$r" 2>&1 | grep -q 'NATS user "relay"' || return 1
+    done
+}
+check "both relays require the token and log in to NATS as user relay" auth_on
 
 # ---- 1. traffic kvroute does not route passes through (GET /v1/models -> decode-pool)
 code=$(curl -s -m 10 -o "$tmp/models.b" -D "$tmp/models.h" -w '%{http_code}' "$base/v1/models" || echo 000)

@@ -309,12 +309,26 @@ def replica_bootstrap(i: int) -> dict:
     return envoyconf.bootstrap(site, DEMO_WORKERS, plugin)
 
 
-def spawn(cmd: list[str], log_name: str) -> subprocess.Popen:
+def spawn(cmd: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
     log = open(os.path.join(RUN_DIR, log_name), "wb")
     # Envoy exits with SIGTERM when the process that started it exits, so a shell that waits
     # for it stays behind as its parent; `stop` signals the whole process group.
     return subprocess.Popen(["sh", "-c", '"$@" & wait', "sh", *cmd], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
+
+
+def run_secrets() -> tuple[dict, list[str], list[str]]:
+    """Fresh credentials for this run, in build/run/ (owner-only files): Envoy's environment
+    (the relay token for the filter), the relay's auth flags, and nats-server's flags (a user
+    for the relays, allowed on the gateways' subjects only)."""
+    token = kvstack.new_secret()
+    token_file = kvstack.write_secret(os.path.join(RUN_DIR, "relay-token"), token + "\n")
+    password = kvstack.new_secret()
+    password_file = kvstack.write_secret(os.path.join(RUN_DIR, "nats-password"), password + "\n")
+    conf = kvstack.write_secret(os.path.join(RUN_DIR, "nats.conf"), kvstack.nats_conf(password))
+    relay = ["--token-file", token_file, "--nats-user", kvstack.NATS_USER, "--nats-password-file", password_file]
+    return {kvstack.RELAY_TOKEN_ENV: token}, relay, ["-c", conf]
 
 
 def run() -> int:
@@ -324,22 +338,23 @@ def run() -> int:
     os.makedirs(RUN_DIR, exist_ok=True)
     procs = [spawn(worker_command(w, DEMO_WORKERS), f"{w.name}.log") for w in DEMO_WORKERS]
     envoys = []
+    envoy_env, relay_auth, nats_auth = run_secrets()
     if REPLICAS > 1:
-        procs.append(spawn([kvstack.NATS_SERVER, "-a", "127.0.0.1", "-p", str(NATS_PORT)], "nats.log"))
+        procs.append(spawn([kvstack.NATS_SERVER, "-a", "127.0.0.1", "-p", str(NATS_PORT), *nats_auth], "nats.log"))
         wait_port(NATS_PORT, proc=procs[-1])
         for i in range(REPLICAS):
             cmd = relay_command(DEMO_WORKERS if PRECISE else [], port_offset=10 * i)
-            procs.append(spawn(cmd + ["--nats", f"nats://127.0.0.1:{NATS_PORT}"], f"relay-{i}.log"))
+            procs.append(spawn(cmd + relay_auth + ["--nats", f"nats://127.0.0.1:{NATS_PORT}"], f"relay-{i}.log"))
             conf = os.path.join(RUN_DIR, f"envoy-{i}.yaml")
             with open(conf, "w") as f:
                 f.write(envoyconf.to_yaml(replica_bootstrap(i)))
             envoys.append(spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2", "--base-id", str(10 + i)],
-                                f"envoy-{i}.log"))
+                                f"envoy-{i}.log", env=envoy_env))
     else:
         if PRECISE:
-            procs.append(spawn(relay_command(DEMO_WORKERS), "relay.log"))
+            procs.append(spawn(relay_command(DEMO_WORKERS) + relay_auth[:2], "relay.log"))
         conf = os.path.join(ROOT, "envoy", "demo-precise.yaml" if PRECISE else "demo.yaml")
-        envoys.append(spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log"))
+        envoys.append(spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log", env=envoy_env))
     with open(os.path.join(RUN_DIR, "pids"), "w") as f:
         f.write("\n".join(str(p.pid) for p in procs + envoys))
     for w in DEMO_WORKERS:
@@ -352,6 +367,9 @@ def run() -> int:
     if REPLICAS > 1:
         print(f"  gateways share decisions: nats-server 127.0.0.1:{NATS_PORT}, one kvroute-relay each on "
               + ", ".join(f"127.0.0.1:{RELAY_PORTS[0] + 10 * i}" for i in range(REPLICAS)))
+    if REPLICAS > 1 or PRECISE:
+        print("  authentication: the relay token is in build/run/relay-token (Envoy has it in KVROUTE_RELAY_TOKEN),"
+              f" NATS user {kvstack.NATS_USER} with build/run/nats-password (build/run/nats.conf)")
     if PRECISE:
         print(f"  precise mode: KV events on tcp://127.0.0.1:5557-5562, kvroute-relay gRPC 127.0.0.1:{RELAY_PORTS[0]}, "
               f"metrics http://127.0.0.1:{RELAY_PORTS[1]}/metrics (text prompts are tokenized by the engines first)")

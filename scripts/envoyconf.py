@@ -282,7 +282,22 @@ def plugin_workers(fleet: list[Upstream]) -> list[dict]:
             for w in fleet]
 
 
+# The environment variable holding kvroute-relay's token (the filter's relay.token_env).
+RELAY_TOKEN_ENV = "KVROUTE_RELAY_TOKEN"
+
+
 def wasm_filter(site: Site, plugin: dict) -> dict:
+    vm_config: dict = {
+        Note("One vm_id for all threads: the filter's VMs find each other's shared\n"
+             "queues under it to replicate routing decisions."): None,
+        "vm_id": "kvroute",
+        "runtime": "envoy.wasm.runtime.v8",
+        "code": {"local": {"filename": site.wasm}},
+    }
+    if site.relay:
+        vm_config[Note("The relay's token, from Envoy's own environment (never in this file): the filter\n"
+                       "sends it as `authorization: Bearer <token>` (relay.token_env).")] = None
+        vm_config["environment_variables"] = {"host_env_keys": [RELAY_TOKEN_ENV]}
     return {
         "name": "envoy.filters.http.wasm",
         "typed_config": {
@@ -290,13 +305,7 @@ def wasm_filter(site: Site, plugin: dict) -> dict:
             "config": {
                 "name": "kvroute",
                 "root_id": "kvroute",
-                "vm_config": {
-                    Note("One vm_id for all threads: the filter's VMs find each other's shared\n"
-                         "queues under it to replicate routing decisions."): None,
-                    "vm_id": "kvroute",
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": site.wasm}},
-                },
+                "vm_config": vm_config,
                 Note("kvroute pauses in the request-headers callback until it has the body; without\n"
                      "this (Envoy >= 1.35) the pause would also stop the body callbacks."): None,
                 "allow_on_headers_stop_iteration": True,
@@ -663,7 +672,8 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
         "tcp://127.0.0.1:5557-5560 (decode) and :5561-5562 (prefill), replay on :5657-5662;",
         "kvroute-relay subscribes to them and serves them on 127.0.0.1:7000 (metrics :7001); the",
         "filter holds one gRPC stream to it per Envoy process and routes on what the engines",
-        "report holding. Without the relay it routes on its own predictions, as envoy/demo.yaml."])
+        "report holding. Without the relay it routes on its own predictions, as envoy/demo.yaml.",
+        "The relay demands a token: start Envoy with it in KVROUTE_RELAY_TOKEN (`make run` does)."])
     # Text prompts must be tokenized for the engines' events to match them: the first decode
     # worker's cluster (which fails over to the pool) answers POST /tokenize.
     precise_plugin = {**demo_plugin, "relay": {"cluster": RELAY_CLUSTER},

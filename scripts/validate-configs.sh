@@ -208,12 +208,25 @@ for r in relays:
           re.fullmatch(r"nats://([\w-]+):4222", nats_url) is not None and nats_url[7:].split(":")[0] in services)
     check(f"{cf}: {r} listens on 0.0.0.0:7000 with the filter's block size",
           args(cmd, "--listen") == ["0.0.0.0:7000"] and args(cmd, "--block-size") == [str(cfg.get("block_size", 16))])
+    env = svcs[r].get("environment", {})
+    check(f"{cf}: {r} requires the relay token and logs in to NATS as user relay",
+          "KVROUTE_RELAY_TOKEN" in env and "KVROUTE_NATS_PASSWORD" in env and args(cmd, "--nats-user") == ["relay"])
+for g in gateways:
+    check(f"{cf}: {g} passes the relay token to its filter",
+          "KVROUTE_RELAY_TOKEN" in (svcs[g].get("environment") or {})
+          and "KVROUTE_RELAY_TOKEN" in json.dumps(edoc))
+nats_cmd = svcs.get("nats", {}).get("command", [])
+nats_conf = args(nats_cmd, "-c")
+check(f"{cf}: nats-server runs with a config that requires users (nats.conf)",
+      nats_conf == ["/etc/nats/nats.conf"] and "authorization" in open("examples/docker-compose/nats.conf").read())
 nats_version = re.search(r"^NATS_VERSION\s*:=\s*(\S+)", open("Makefile").read(), re.M)
 nats_image = svcs.get("nats", {}).get("image", "")
 check(f"{cf}: the nats image defaults to the Makefile's NATS_VERSION ({nats_image})",
       nats_version is not None and nats_image.endswith(":" + nats_version.group(1) + "}"))
 if COMPOSE:
-    env = dict(os.environ, KVROUTE_WASM=WASM)
+    # The secrets have no default (compose refuses to start without them): any value will do.
+    env = dict(os.environ, KVROUTE_WASM=WASM, KVROUTE_RELAY_TOKEN="validate-configs-token",
+               KVROUTE_NATS_PASSWORD="validate-configs-password")
     r = subprocess.run(COMPOSE.split() + ["-f", cf, "config", "-q"], capture_output=True, text=True, env=env)
     check(f"{cf}: {COMPOSE} config", r.returncode == 0, r.stderr.strip()[-300:])
 
@@ -238,7 +251,8 @@ API = {"WasmPlugin": "extensions.istio.io/v1alpha1", "EnvoyFilter": "networking.
        "VirtualService": "networking.istio.io/v1", "Gateway": None, "HTTPRoute": "gateway.networking.k8s.io/v1",
        "EnvoyExtensionPolicy": "gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy": "gateway.envoyproxy.io/v1alpha1",
        "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
-       "StatefulSet": "apps/v1", "Deployment": "apps/v1", "Service": "v1", "Namespace": "v1"}
+       "StatefulSet": "apps/v1", "Deployment": "apps/v1", "Service": "v1", "Namespace": "v1",
+       "ConfigMap": "v1", "NetworkPolicy": "networking.k8s.io/v1", "EnvoyProxy": "gateway.envoyproxy.io/v1alpha1"}
 bad = [f"{f}: {d['kind']} {d['apiVersion']}" for f, d in docs
        if d["kind"] not in API or (API[d["kind"]] and d["apiVersion"] != API[d["kind"]])]
 check("deploy/: only known kinds, at the expected API versions", not bad, "; ".join(bad))
@@ -294,6 +308,36 @@ for f, d in of_kind("Deployment") + of_kind("StatefulSet"):
             check(f"{f}: {name} listens on all interfaces, behind a Service with an HTTP/2 (grpc) port",
                   listen.startswith("0.0.0.0:") and any(p["port"] == port and p.get("appProtocol") == "grpc"
                                                         for n in relay_svcs for p in svc[n]["spec"]["ports"]))
+            # Authentication: the token and the NATS password come from a mounted Secret.
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            vols = {v["name"]: v for v in d["spec"]["template"]["spec"].get("volumes", [])}
+            files = arg_values(a, "--token-file") + arg_values(a, "--nats-password-file")
+            from_secret = all(any(p.startswith(mp + "/") and "secret" in vols.get(n, {}) for mp, n in mounts.items())
+                              for p in files)
+            check(f"{f}: {name} requires a token and logs in to NATS, both from a mounted Secret",
+                  len(files) == 2 and from_secret and arg_values(a, "--nats-user") != [], f"{files}")
+            # Only the gateways reach it: a NetworkPolicy selects its pods and names its gRPC port.
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            pols = [p for _, p in of_kind("NetworkPolicy")
+                    if p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()
+                    and "Ingress" in p["spec"].get("policyTypes", [])]
+            check(f"{f}: {name} is reachable only as a NetworkPolicy allows (gRPC port from the gateways)",
+                  any(any(pt.get("port") in ("grpc", port) for r in p["spec"].get("ingress", []) for pt in r.get("ports", []))
+                      for p in pols))
+# NATS: no anonymous clients, and only the relays reach it.
+for f, d in of_kind("StatefulSet"):
+    if d["metadata"]["name"] != "nats":
+        continue
+    c = d["spec"]["template"]["spec"]["containers"][0]
+    conf = [cm["data"].get("nats.conf", "") for _, cm in of_kind("ConfigMap") if cm["metadata"]["name"] == "nats-config"]
+    check(f"{f}: nats runs with nats.conf, which requires users", arg_values([str(x) for x in c.get("args", [])], "-c")
+          == ["/etc/nats/nats.conf"] and bool(conf) and "authorization" in conf[0] and "permissions" in conf[0])
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    check(f"{f}: a NetworkPolicy lets only the relays reach nats",
+          any(p["spec"]["podSelector"].get("matchLabels", {}).items() <= labels.items()
+              and all(src.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/name": "kvroute-relay"}
+                      for r in p["spec"].get("ingress", []) for src in r.get("from", []))
+              for _, p in of_kind("NetworkPolicy")))
 
 def check_precise(label, cfg, clusters=None):
     """relay and tokenize name clusters that exist: Istio's outbound|port||FQDN of a shipped
