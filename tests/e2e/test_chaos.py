@@ -287,8 +287,8 @@ def test_hung_worker_is_cut_off_retried_and_then_avoided():
         retried = [r for r in results if int(r[1].get("x-envoy-attempt-count", "1")) > 1]
         assert len(hole.held) >= 1, "kvroute never put a request on the hung worker"
         assert len(retried) == len(hole.held), (len(retried), len(hole.held))
-        # Answered within the bound plus the answer elsewhere (a mock answer is milliseconds).
-        assert max(sec for _, _, sec in results) < bound + 1.0, results
+        # Answered within the bound plus the answer elsewhere (milliseconds; slack for a busy CI).
+        assert max(sec for _, _, sec in results) < bound + 2.0, results
         assert min(sec for _, _, sec in retried) >= bound - 0.05, retried
         st = s.stats()
         assert st.get('kvroute_worker_failures_total{worker="decode-hole"}', 0) >= len(hole.held), st
