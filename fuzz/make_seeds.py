@@ -185,6 +185,169 @@ def configs() -> None:
     write("config", "empty", b"")
 
 
+# --- kvroute-relay's targets (fuzz/src/relay.rs) ---------------------------------------------
+
+def mp(v) -> bytes:
+    """MessagePack of ints, floats, str, bytes, None, lists and dicts (compact forms)."""
+    if v is None:
+        return b"\xc0"
+    if isinstance(v, bool):
+        return b"\xc3" if v else b"\xc2"
+    if isinstance(v, int):
+        if 0 <= v < 0x80:
+            return bytes([v])
+        if -32 <= v < 0:
+            return struct.pack("b", v)
+        if 0 <= v <= 0xFFFFFFFF:
+            return (b"\xcc" + struct.pack(">B", v)) if v <= 0xFF else (
+                (b"\xcd" + struct.pack(">H", v)) if v <= 0xFFFF else b"\xce" + struct.pack(">I", v))
+        if v >= 0:
+            return b"\xcf" + struct.pack(">Q", v)
+        return b"\xd3" + struct.pack(">q", v)
+    if isinstance(v, float):
+        return b"\xcb" + struct.pack(">d", v)
+    if isinstance(v, str):
+        b = v.encode()
+        return (bytes([0xA0 | len(b)]) if len(b) < 32 else b"\xd9" + bytes([len(b)])) + b
+    if isinstance(v, bytes):
+        return b"\xc4" + bytes([len(v)]) + v
+    if isinstance(v, list):
+        head = bytes([0x90 | len(v)]) if len(v) < 16 else b"\xdc" + struct.pack(">H", len(v))
+        return head + b"".join(mp(x) for x in v)
+    if isinstance(v, dict):
+        head = bytes([0x80 | len(v)]) if len(v) < 16 else b"\xde" + struct.pack(">H", len(v))
+        return head + b"".join(mp(k) + mp(x) for k, x in v.items())
+    raise TypeError(v)
+
+
+def stored_event(hashes, parent, tokens, bs=4, as_map=False, lora=None):
+    if as_map:
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                "token_ids": tokens, "block_size": bs, "lora_id": None, "medium": "GPU",
+                "lora_name": lora, "extra_keys": None, "group_idx": 0, "kv_cache_spec_kind": "full"}
+    return ["BlockStored", hashes, parent, tokens, bs, None, "GPU", lora]
+
+
+def vllm_batches():
+    """(name, payload) of KV event batches as vLLM publishes them (array and map form)."""
+    chain = stored_event([11, 12, 13], None, list(range(12)))
+    under = stored_event([14], 13, [100, 101, 102, 103])
+    yield "array_stored_chain", mp([1764300000.25, [chain, under]])
+    yield "array_with_dp_rank", mp([1764300000.5, [chain], 0])
+    yield "map_stored_removed", mp({"ts": 1764300001.0, "events": [
+        stored_event([21, 22], None, list(range(8)), as_map=True),
+        {"type": "BlockRemoved", "block_hashes": [22], "medium": "GPU", "group_idx": 0}]})
+    yield "bytes_hashes_lora", mp([2.0, [stored_event([b"\x01" * 32, b"\x02" * 32], b"\x00" * 32,
+                                                    list(range(8)), lora="adapter-a")]])
+    yield "cleared_then_stored", mp([3.0, [["AllBlocksCleared"], chain, ["BlockRemoved", [11, 12], "GPU"]]])
+    yield "negative_hashes", mp([4.0, [stored_event([-5, -6], None, list(range(8)))]])
+    yield "unknown_event", mp([5.0, [["SomethingNew", 1, 2], chain]])
+    yield "size_mismatch", mp([6.0, [stored_event([31], None, list(range(16)), bs=16)]])
+    yield "bad_token_count", mp([7.0, [stored_event([41, 42], None, [1, 2, 3])]])
+    # Sixty blocks in one chain: more than the fuzz index holds, so eviction runs.
+    yield "long_chain", mp([8.0, [stored_event(list(range(1000, 1060)), None, list(range(240)))]])
+    yield "truncated", mp([1.0, [chain, under]])[:-7]
+
+
+def zmtp_frame(body: bytes, more=False, command=False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+def zmtp_peer(messages, mechanism=b"NULL") -> bytes:
+    """The bytes a ROUTER (vLLM's replay socket) sends a DEALER: greeting, READY, messages."""
+    greeting = b"\xff" + b"\x00" * 7 + b"\x01\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER"
+    out = greeting + zmtp_frame(ready, command=True)
+    for frames in messages:
+        for i, f in enumerate(frames):
+            out += zmtp_frame(f, more=i + 1 < len(frames))
+    return out
+
+
+def grpc_message(payload: bytes, compressed=False) -> bytes:
+    return bytes([1 if compressed else 0]) + struct.pack(">I", len(payload)) + payload
+
+
+def pb_varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def pb_bytes(tag: int, b) -> bytes:
+    if isinstance(b, str):
+        b = b.encode()
+    return pb_varint(tag << 3 | 2) + pb_varint(len(b)) + b
+
+
+def watch_request(gateway="gw-a", block_size=16, decisions=(), group="g1") -> bytes:
+    out = pb_bytes(1, gateway) + pb_varint(2 << 3) + pb_varint(block_size)
+    for d in decisions:
+        out += pb_bytes(3, d)
+    return out + pb_bytes(4, group)
+
+
+def share_msg(relay=7, group="g1", peers=(), alive=(), gone=()) -> bytes:
+    out = pb_varint(1 << 3 | 1) + struct.pack("<Q", relay) + pb_bytes(2, group)
+    for gw, decisions, sent in peers:
+        inner = pb_bytes(1, gw) + b"".join(pb_bytes(2, d) for d in decisions) + pb_varint(3 << 3) + pb_varint(sent)
+        out += pb_bytes(3, inner)
+    for a in alive:
+        out += pb_bytes(4, a)
+    for g in gone:
+        out += pb_bytes(5, g)
+    return out
+
+
+def relay() -> None:
+    batches = list(vllm_batches())
+    for name, payload in batches:
+        write("relay_vllm", name, payload)
+    for name, payload in batches[:4]:
+        write("relay_msgpack", name, payload)
+    write("relay_msgpack", "every_type", mp([None, True, False, -1, -200, 300, 70000, 2**40, -(2**40),
+                                             1.5, "s" * 40, b"\x00\x01", {"k": [1, {"n": None}]}])
+          + b"\xca" + struct.pack(">f", 2.5) + b"\xd4\x01\x02" + b"\xc7\x02\x05ab")
+    write("relay_msgpack", "huge_header", b"\xdd\xff\xff\xff\xff\x01")
+    write("relay_msgpack", "deep_nesting", b"\x91" * 100 + b"\xc0")
+
+    seq = lambda n: struct.pack(">Q", n)  # noqa: E731
+    end = [b"", seq(2**64 - 1), b""]
+    write("relay_zmtp", "replay_two_batches", zmtp_peer([
+        [b"", b"kv-events", seq(0), batches[0][1]], [b"", seq(1), batches[2][1]], end]))
+    write("relay_zmtp", "replay_end_only", zmtp_peer([end]))
+    write("relay_zmtp", "ping_then_long_frame", zmtp_peer([]) + zmtp_frame(b"\x04PING\x00\x00", command=True)
+          + b"".join(zmtp_frame(f, more=i < 2) for i, f in enumerate([b"", seq(5), b"x" * 300])) + b"".join(
+              zmtp_frame(f, more=i < 2) for i, f in enumerate(end)))
+    write("relay_zmtp", "curve_mechanism", zmtp_peer([end], mechanism=b"CURVE"))
+    write("relay_zmtp", "short_sequence", zmtp_peer([[b"", b"\x00\x01", b"p"], end]))
+    write("relay_zmtp", "truncated", zmtp_peer([[b"", seq(0), batches[0][1]]])[:-10])
+
+    first = watch_request(decisions=[b"\x02" + b"\x00" * 20])
+    write("relay_watch", "first_request", b"\x00" + grpc_message(first))
+    write("relay_watch", "first_then_decisions", b"\x07" + grpc_message(first) + grpc_message(
+        watch_request(gateway="", block_size=0, group="", decisions=[b"\x02abc", b"\x02" * 64])))
+    write("relay_watch", "empty_gateway", b"\x01" + grpc_message(watch_request(gateway="", group="")))
+    write("relay_watch", "compressed_flag", b"\x00" + grpc_message(first, compressed=True))
+    write("relay_watch", "oversized_length", b"\x00\x00\x7f\xff\xff\xff" + first)
+    write("relay_watch", "cut_mid_message", b"\x03" + grpc_message(first)[:-3])
+
+    write("relay_nats", "decisions", share_msg(peers=[("gw-b", [b"\x02" + b"\x01" * 30], 1764300000000000000)]))
+    write("relay_nats", "heartbeat", share_msg(alive=["gw-b", "gw-c"]))
+    write("relay_nats", "gone", share_msg(gone=["gw-b"]))
+    write("relay_nats", "everything", share_msg(relay=2**63, group="g2", peers=[("gw-b", [b"x", b"y"], 1), ("gw-d", [], 0)],
+                                                alive=["gw-b"], gone=["gw-e", "gw-a"]))
+    write("relay_nats", "not_protobuf", b"\xff\xff\xff\xff")
+
+
 def main() -> None:
     for name, body in REQUESTS.items():
         for target in ("request", "hashing"):
@@ -194,6 +357,7 @@ def main() -> None:
     events()
     feedback()
     configs()
+    relay()
 
 
 if __name__ == "__main__":

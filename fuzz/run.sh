@@ -7,7 +7,7 @@
 # build/fuzz/artifacts/<target>/. Exit status 1 when any target crashed.
 set -uo pipefail
 
-: "${CARGO_FUZZ:?}" "${FUZZ_SECONDS:=120}" "${FUZZ_TARGETS:=request hashing events feedback config}"
+: "${CARGO_FUZZ:?}" "${FUZZ_SECONDS:=120}" "${FUZZ_TARGETS:=request hashing events feedback config relay_zmtp relay_msgpack relay_vllm relay_watch relay_nats}"
 : "${FUZZ_MAX_LEN:=16384}" "${FUZZ_TIMEOUT:=10}" "${FUZZ_NICE:=10}"
 OUT=build/fuzz
 FLAGS=(--sanitizer none --fuzz-dir fuzz --target-dir "$OUT/target" -O --debug-assertions)
@@ -35,7 +35,7 @@ for t in $FUZZ_TARGETS; do
         crashes=1 # libFuzzer failed without writing an artifact: count it, show the log
     fi
     corpus=$(ls "$OUT/corpus/$t" | wc -l)
-    summary+=("$(printf '%-9s execs %12s  crashes %d  corpus %d (+%d seeds)' \
+    summary+=("$(printf '%-13s execs %12s  crashes %d  corpus %d (+%d seeds)' \
         "$t" "${execs:-?}" "$crashes" "$corpus" "$(ls "fuzz/corpus/$t" | wc -l)")")
     if [ "$crashes" -ne 0 ]; then
         failed=1

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -110,42 +111,47 @@ LLAMA_DOC_CHARS = int(os.environ.get("DEMO_LLAMA_DOC_CHARS", 6000))
 LLAMA_PORTS = (8001, 8002)
 
 
-def llama_workload() -> list[list[list[dict]]]:
+def chat_workload(docs: int, users: int, turns: int, doc_chars: int) -> list[list[list[dict]]]:
     """Per user, the message lists of successive turns; users of a document share it."""
     convs = []
-    for u in range(LLAMA_USERS):
-        d = u % LLAMA_DOCS
-        msgs = [{"role": "system", "content": f"Document {d}. " + text(1000 + d, LLAMA_DOC_CHARS)}]
-        turns = []
-        for t in range(LLAMA_TURNS):
+    for u in range(users):
+        d = u % docs
+        msgs = [{"role": "system", "content": f"Document {d}. " + text(1000 + d, doc_chars)}]
+        turns_ = []
+        for t in range(turns):
             msgs = msgs + [{"role": "user", "content": f"user {u} turn {t}: " + text(u * 100 + t, 400)}]
-            turns.append(list(msgs))
+            turns_.append(list(msgs))
             msgs = msgs + [{"role": "assistant", "content": text(u * 1000 + t, 120)}]
-        convs.append(turns)
+        convs.append(turns_)
     return convs
 
 
-def run_llama_policy(name: str, kvroute: dict | None) -> dict:
-    fleet = [kvstack.LlamaWorker(f"llama-{i}") for i in (1, 2)]
+def llama_workload() -> list[list[list[dict]]]:
+    return chat_workload(LLAMA_DOCS, LLAMA_USERS, LLAMA_TURNS, LLAMA_DOC_CHARS)
+
+
+def measure_chats(s: Stack, name: str, convs: list, model: str, concurrency: int) -> dict:
+    """Runs `convs` (each user's turns in order, `concurrency` users at a time) through `s` as
+    streamed chats; TTFT in real ms, hits as the engines reported them."""
     results = []
     lock = threading.Lock()
-    with Stack(fleet, kvroute=kvroute, concurrency=2, site=dict(kvstack.LLAMA_SITE)) as s:
-        def user(turns):
-            for msgs in turns:
-                body = {"model": "tiny-llama", "messages": msgs, "max_tokens": 16, "temperature": 0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                status, headers, chunks = stream(s.listen, "/v1/chat/completions", body, timeout=300)
-                usage = kvstack.sse_usage(chunks)
-                with lock:
-                    results.append({"status": status, "ttft_ms": chunks[0][0] * 1000 if chunks else float("nan"),
-                                    "worker": headers.get("x-worker-id", "?"),
-                                    "prompt": usage.get("prompt_tokens", 0),
-                                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
 
-        t0 = time.time()
-        with ThreadPoolExecutor(LLAMA_CONCURRENCY) as ex:
-            list(ex.map(user, llama_workload()))
-        wall = time.time() - t0
+    def user(turns):
+        for msgs in turns:
+            body = {"model": model, "messages": msgs, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            status, headers, chunks = stream(s.listen, "/v1/chat/completions", body, timeout=300)
+            usage = kvstack.sse_usage(chunks)
+            with lock:
+                results.append({"status": status, "ttft_ms": chunks[0][0] * 1000 if chunks else float("nan"),
+                                "worker": headers.get("x-worker-id", "?"),
+                                "prompt": usage.get("prompt_tokens", 0),
+                                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+
+    t0 = time.time()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(user, convs))
+    wall = time.time() - t0
     ok = [r for r in results if r["status"] == 200]
     ttfts = sorted(r["ttft_ms"] for r in ok)
 
@@ -159,17 +165,13 @@ def run_llama_policy(name: str, kvroute: dict | None) -> dict:
             "per_worker": Counter(r["worker"] for r in ok), "wall_s": wall}
 
 
-def demo_llama() -> int:
-    if kvstack.llama_paths() is None:
-        print("llama-server is not built: make llama (scripts/llama.sh)", file=sys.stderr)
-        return 1
-    print(f"kvroute demo on llama.cpp: {LLAMA_USERS} users x {LLAMA_TURNS} chat turns sharing {LLAMA_DOCS} "
-          f"documents of {LLAMA_DOC_CHARS} chars, {LLAMA_CONCURRENCY} at a time, on 2 llama-server workers "
-          f"(1 CPU thread, 4 slots each; tiny random-weight model); times are real")
-    rows = []
-    for name, cfg in [("envoy round-robin", None), ("kvroute", kvstack.llama_kvroute())]:
-        print(f"  running {name} ...", flush=True)
-        rows.append(run_llama_policy(name, cfg))
+def run_llama_policy(name: str, kvroute: dict | None) -> dict:
+    fleet = [kvstack.LlamaWorker(f"llama-{i}") for i in (1, 2)]
+    with Stack(fleet, kvroute=kvroute, concurrency=2, site=dict(kvstack.LLAMA_SITE)) as s:
+        return measure_chats(s, name, llama_workload(), "tiny-llama", LLAMA_CONCURRENCY)
+
+
+def print_engine_table(rows: list[dict]) -> int:
     print()
     print("| policy | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | engine-cached tokens | "
           "cached share of prompt tokens | requests per worker |")
@@ -185,9 +187,75 @@ def demo_llama() -> int:
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
+def demo_llama() -> int:
+    if kvstack.llama_paths() is None:
+        print("llama-server is not built: make llama (scripts/llama.sh)", file=sys.stderr)
+        return 1
+    print(f"kvroute demo on llama.cpp: {LLAMA_USERS} users x {LLAMA_TURNS} chat turns sharing {LLAMA_DOCS} "
+          f"documents of {LLAMA_DOC_CHARS} chars, {LLAMA_CONCURRENCY} at a time, on 2 llama-server workers "
+          f"(1 CPU thread, 4 slots each; tiny random-weight model); times are real")
+    rows = []
+    for name, cfg in [("envoy round-robin", None), ("kvroute", kvstack.llama_kvroute())]:
+        print(f"  running {name} ...", flush=True)
+        rows.append(run_llama_policy(name, cfg))
+    return print_engine_table(rows)
+
+
+# ---- ENGINE=vllm: three vLLM CPU workers (scripts/vllm_install.sh), real time, engine-reported usage
+VLLM_PORTS = (8001, 8002, 8003)
+# 8,192 tokens of KV per engine: the documents fit in the fleet once, not in every engine.
+VLLM_KV_BLOCKS = int(os.environ.get("DEMO_VLLM_KV_BLOCKS", 256))
+VLLM_DOCS = int(os.environ.get("DEMO_VLLM_DOCS", 6))
+VLLM_USERS = int(os.environ.get("DEMO_VLLM_USERS", 12))
+VLLM_TURNS = int(os.environ.get("DEMO_VLLM_TURNS", 3))
+VLLM_CONCURRENCY = int(os.environ.get("DEMO_VLLM_CONCURRENCY", 4))
+VLLM_DOC_CHARS = int(os.environ.get("DEMO_VLLM_DOC_CHARS", 6000))
+VLLM_EVENT_PORT = 5557  # engine i publishes on 5557 + i, replays on REPLAY_OFFSET above
+
+
+def vllm_engines(ports: tuple = (), events: bool = False) -> list:
+    n = len(VLLM_PORTS)
+    return kvstack.vllm_fleet(n, kv_blocks=VLLM_KV_BLOCKS, kv_events=events, ports=ports,
+                              event_ports=tuple((VLLM_EVENT_PORT + i, VLLM_EVENT_PORT + i + REPLAY_OFFSET)
+                                                for i in range(n)))
+
+
+def demo_vllm() -> int:
+    if kvstack.vllm_paths() is None:
+        print("vLLM is not installed: make vllm (scripts/vllm_install.sh)", file=sys.stderr)
+        return 1
+    print(f"kvroute demo on vLLM (CPU): {VLLM_USERS} users x {VLLM_TURNS} chat turns sharing {VLLM_DOCS} "
+          f"documents of {VLLM_DOC_CHARS} chars, {VLLM_CONCURRENCY} at a time, on 3 vLLM workers "
+          f"(1 core each, {VLLM_KV_BLOCKS} KV blocks of {kvstack.VLLM_BLOCK} tokens; tiny random-weight model); "
+          f"times are real")
+    engines = vllm_engines()
+    log_dir = tempfile.mkdtemp(prefix="kvroute-demo-vllm-")
+    print(f"  starting the engines (about a minute; logs in {log_dir}) ...", flush=True)
+    kvstack.start_vllm(engines, log_dir)
+    rows = []
+    try:
+        for name, cfg in [("envoy round-robin", None), ("kvroute", kvstack.vllm_kvroute(poll_ms=500))]:
+            print(f"  running {name} ...", flush=True)
+            # The same engines for both policies, their prefix caches emptied in between.
+            for w in engines:
+                kvstack.vllm_reset_prefix_cache(w)
+            s = Stack(engines, kvroute=cfg, concurrency=2, site=dict(kvstack.VLLM_SITE)).start()
+            try:
+                convs = chat_workload(VLLM_DOCS, VLLM_USERS, VLLM_TURNS, VLLM_DOC_CHARS)
+                rows.append(measure_chats(s, name, convs, kvstack.VLLM_MODEL, VLLM_CONCURRENCY))
+            finally:
+                s.stop(workers=False)
+    finally:
+        for w in engines:
+            w.stop()
+    return print_engine_table(rows)
+
+
 def demo() -> int:
     if ENGINE == "llama":
         return demo_llama()
+    if ENGINE == "vllm":
+        return demo_vllm()
     print(f"kvroute demo: {USERS} users x {TURNS} chat turns sharing {APPS} long system prompts, "
           f"{CONCURRENCY} at a time, on 4 mock workers ({KV_BLOCKS} KV blocks each, speedup {SPEEDUP:g}; "
           f"real-vLLM signals: ORCA on non-streaming replies only, cached_tokens via "
@@ -295,6 +363,61 @@ def run_llama() -> int:
     return 0
 
 
+def vllm_bootstrap(engines: list, precise: bool) -> dict:
+    """`make run ENGINE=vllm`: Envoy with kvroute (metrics poller on; PRECISE: the relay and the
+    /tokenize callout) in front of the vLLM workers, from scripts/envoyconf.py."""
+    fleet = [envoyconf.Upstream(w.name, "127.0.0.1", w.port, "both", kv_blocks=w.kv_blocks) for w in engines]
+    site = envoyconf.Site(wasm=os.path.join(ROOT, "build", "kvroute.wasm"), **kvstack.VLLM_SITE,
+                          relay=("127.0.0.1", RELAY_PORTS[0]) if precise else None)
+    plugin = {"workers": envoyconf.plugin_workers(fleet),
+              **kvstack.vllm_kvroute(poll_ms=500, tokenize=precise), "debug_headers": False}
+    if precise:
+        plugin["relay"] = {"cluster": envoyconf.RELAY_CLUSTER}
+    return envoyconf.bootstrap(site, fleet, plugin)
+
+
+def run_vllm() -> int:
+    stop(quiet=True)
+    if kvstack.vllm_paths() is None:
+        print("vLLM is not installed: make vllm (scripts/vllm_install.sh)", file=sys.stderr)
+        return 1
+    os.makedirs(RUN_DIR, exist_ok=True)
+    engines = vllm_engines(VLLM_PORTS, events=PRECISE)
+    pids = []
+    print("starting 3 vLLM engines (about a minute) ...", flush=True)
+    kvstack.start_vllm(engines, RUN_DIR)
+
+    def started(pid: int) -> None:
+        # Written at each step: a later step that fails leaves `make stop` what to stop.
+        pids.append(pid)
+        with open(os.path.join(RUN_DIR, "pids"), "w") as f:
+            f.write("\n".join(map(str, pids)))
+
+    for w in engines:
+        started(w.proc.pid)
+    if PRECISE:
+        relay = kvstack.vllm_relay(engines, port=RELAY_PORTS[0], metrics_port=RELAY_PORTS[1])
+        started(spawn(relay.command(), "relay.log").pid)
+    conf = os.path.join(RUN_DIR, "envoy-vllm.yaml")
+    with open(conf, "w") as f:
+        f.write(envoyconf.to_yaml(vllm_bootstrap(engines, PRECISE)))
+    e = spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log")
+    started(e.pid)
+    wait_port(10000, proc=e)
+    print("kvroute stack running on vLLM: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
+    print(f"  vLLM workers 127.0.0.1:{VLLM_PORTS[0]}-{VLLM_PORTS[-1]} ({VLLM_KV_BLOCKS} KV blocks of "
+          f"{kvstack.VLLM_BLOCK} tokens each, model {kvstack.VLLM_MODEL}); Envoy config and logs in build/run/")
+    if PRECISE:
+        print(f"  precise mode: KV events on tcp://127.0.0.1:{VLLM_EVENT_PORT}-{VLLM_EVENT_PORT + len(engines) - 1} "
+              f"(replay {REPLAY_OFFSET} above), kvroute-relay gRPC 127.0.0.1:{RELAY_PORTS[0]}, metrics "
+              f"http://127.0.0.1:{RELAY_PORTS[1]}/metrics; prompts tokenized by the engines' /tokenize")
+    print("  try: curl -si localhost:10000/v1/chat/completions "
+          f"-d '{{\"model\":\"{kvstack.VLLM_MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],"
+          "\"max_tokens\":8}'")
+    print("  stop with: make stop")
+    return 0
+
+
 REPLICAS = int(os.environ.get("REPLICAS") or 1)
 NATS_PORT = 4222
 
@@ -334,6 +457,8 @@ def run_secrets() -> tuple[dict, list[str], list[str]]:
 def run() -> int:
     if ENGINE == "llama":
         return run_llama()
+    if ENGINE == "vllm":
+        return run_vllm()
     stop(quiet=True)
     os.makedirs(RUN_DIR, exist_ok=True)
     procs = [spawn(worker_command(w, DEMO_WORKERS), f"{w.name}.log") for w in DEMO_WORKERS]
@@ -379,17 +504,54 @@ def run() -> int:
     return 0
 
 
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A group whose members are all zombies (their parent gone) still answers signal 0.
+    return any(state != "Z" for state in group_states(pgid))
+
+
+def group_states(pgid: int) -> list[str]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                out.append(fields[0])
+    return out
+
+
 def stop(quiet: bool = False) -> int:
     path = os.path.join(RUN_DIR, "pids")
     if not os.path.exists(path):
         if not quiet:
             print("nothing running")
         return 0
+    groups = []
     for pid in open(path).read().split():
         try:
             # Each process leads its own group (start_new_session): signal the group.
             os.killpg(int(pid), signal.SIGTERM)
+            groups.append(int(pid))
         except (ProcessLookupError, PermissionError, ValueError):
+            pass
+    # vLLM's engine processes take a few seconds to shut down; what is left after 20 s is killed.
+    deadline = time.time() + 20
+    while groups and time.time() < deadline:
+        groups = [g for g in groups if group_alive(g)]
+        time.sleep(0.2)
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
             pass
     os.remove(path)
     if not quiet:

@@ -61,7 +61,7 @@ impl tonic::server::StreamingService<WatchRequest> for Watch {
         // Stream limits (README, "Limits"): the place is held until the stream ends.
         let slot = open_slot(&hub, request.remote_addr().map(|a| a.ip()));
         Box::pin(async move {
-            let slot = slot?;
+            let slot = slot.map_err(|s| *s)?;
             let mut inbound = request.into_inner();
             let req = match inbound.message().await? {
                 Some(r) => r,
@@ -252,7 +252,7 @@ impl Stream {
     }
 }
 
-fn open_slot(hub: &Hub, client: Option<std::net::IpAddr>) -> Result<StreamSlot, Status> {
+fn open_slot(hub: &Hub, client: Option<std::net::IpAddr>) -> Result<StreamSlot, Box<Status>> {
     let limits = &hub.limits;
     hub.streams.open(client, limits).map_err(|why| {
         let (counter, msg) = match why {
@@ -272,7 +272,7 @@ fn open_slot(hub: &Hub, client: Option<std::net::IpAddr>) -> Result<StreamSlot, 
             ),
         };
         add(counter, 1);
-        Status::resource_exhausted(msg)
+        Box::new(Status::resource_exhausted(msg))
     })
 }
 

@@ -12,7 +12,7 @@
 
 use bytes::Bytes;
 use std::io;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
 
 const MORE: u8 = 0x01;
@@ -25,9 +25,10 @@ fn bad(what: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.into())
 }
 
-/// A connected DEALER (one peer).
-pub struct Dealer {
-    s: BufStream<TcpStream>,
+/// A connected DEALER (one peer). Generic over the byte stream so the fuzz targets can
+/// drive it from memory; the relay uses TCP.
+pub struct Dealer<S = BufStream<TcpStream>> {
+    s: S,
 }
 
 impl Dealer {
@@ -38,7 +39,13 @@ impl Dealer {
             .ok_or_else(|| bad(format!("{endpoint}: expected tcp://HOST:PORT")))?;
         let tcp = TcpStream::connect(addr).await?;
         tcp.set_nodelay(true)?;
-        let mut s = BufStream::new(tcp);
+        Dealer::handshake(BufStream::new(tcp)).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Dealer<S> {
+    /// Completes the ZMTP handshake on a connected (buffered) stream.
+    pub async fn handshake(mut s: S) -> io::Result<Dealer<S>> {
         let mut greeting = [0u8; 64];
         greeting[0] = 0xFF;
         greeting[8] = 1;
@@ -129,7 +136,7 @@ impl Dealer {
     }
 }
 
-async fn write_frame(s: &mut BufStream<TcpStream>, flags: u8, body: &[u8]) -> io::Result<()> {
+async fn write_frame<S: AsyncWrite + Unpin>(s: &mut S, flags: u8, body: &[u8]) -> io::Result<()> {
     if let Ok(n) = u8::try_from(body.len()) {
         s.write_all(&[flags, n]).await?;
     } else {
@@ -139,7 +146,7 @@ async fn write_frame(s: &mut BufStream<TcpStream>, flags: u8, body: &[u8]) -> io
     s.write_all(body).await
 }
 
-async fn read_frame(s: &mut BufStream<TcpStream>) -> io::Result<(u8, Vec<u8>)> {
+async fn read_frame<S: AsyncRead + Unpin>(s: &mut S) -> io::Result<(u8, Vec<u8>)> {
     let flags = s.read_u8().await?;
     let size = if flags & LONG != 0 {
         s.read_u64().await?
@@ -149,7 +156,11 @@ async fn read_frame(s: &mut BufStream<TcpStream>) -> io::Result<(u8, Vec<u8>)> {
     if size > MAX_FRAME {
         return Err(bad(format!("frame of {size} bytes")));
     }
-    let mut body = vec![0u8; size as usize];
-    s.read_exact(&mut body).await?;
+    // Grown as bytes arrive: a peer announcing a huge frame and sending little holds little.
+    let mut body = Vec::with_capacity(size.min(64 << 10) as usize);
+    s.take(size).read_to_end(&mut body).await?;
+    if body.len() as u64 != size {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     Ok((flags, body))
 }
