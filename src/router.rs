@@ -364,6 +364,7 @@ impl Router {
         // Confirmed: what the index says each worker holds, and the prompts of answered
         // requests still running (pinned in the engine, see `Speculative`); held adds the
         // routed requests not yet answered, which no cache holds until their prefill ran.
+        self.end_continued_peer_requests(&ph.blocks, now_ms);
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
         self.speculative
@@ -950,6 +951,24 @@ impl Router {
 
     /// Releases every request of the peer gateway with id prefix `tag` (it is gone: it will
     /// never send their ends) and drops the blocks they were expected to leave.
+    /// A prompt that extends the whole prompt of another gateway's request still in flight
+    /// here is that conversation's next turn: its client has read the answer, so that
+    /// request was answered and has ended; its end events are only still on their way from
+    /// the other gateway (a few ms at idle, tens under load). Applied now, so the next turn
+    /// finds its prompt cached on its worker, not that worker busy prefilling it: charged as
+    /// running, the first turn moved one in two second turns sent at once through the other
+    /// gateway (issue 46). The late events then find nothing left to do. Only peers' requests:
+    /// this gateway's own end before their client can send another turn.
+    fn end_continued_peer_requests(&mut self, hashes: &[u64], now_ms: u64) {
+        for id in self
+            .speculative
+            .extended_by(hashes, crate::precise::peers::is_peer_id)
+        {
+            self.apply(&Event::Confirmed { id }, now_ms);
+            self.apply(&Event::Free { id }, now_ms);
+        }
+    }
+
     pub fn purge_peer(&mut self, tag: u64) -> usize {
         let mine = |id: RequestId| crate::precise::peers::is_peer_request(id, tag);
         self.flush();
@@ -1022,6 +1041,57 @@ mod tests {
         (0..bytes / 6)
             .map(|_| ["alpha ", "bravo ", "delta ", "gamma ", "kappa "][r.below(5)])
             .collect()
+    }
+
+    /// The next turn of a conversation another gateway routed arrives before that gateway's
+    /// end events for the first turn: it still goes to the first turn's worker, whose load
+    /// no longer counts the first turn. A prompt that only shares a prefix, or repeats the
+    /// whole prompt, ends nothing.
+    #[test]
+    fn the_next_turn_ends_the_peer_request_it_continues() {
+        let extra = r#","disaggregation":{"threshold_tokens":0}"#;
+        let first = doc(70, 320);
+        let mut a = Router::new(cfg(extra), 1, 7);
+        let d = routed(a.route(ApiKind::Completions, &completion(&first), 10));
+        let mut adopted = Vec::new();
+        let mut peers = crate::precise::peers::Peers::new(&cfg(extra));
+        let tag = crate::precise::peers::peer_tag("a");
+        peers.adopt(vec![d.event.clone()], tag, 10, &mut adopted);
+        // `as_peer: false` applies the decision as a local one, which this never ends: the
+        // behaviour peers' requests had before.
+        let moves = |seed: u64, as_peer: bool| {
+            let mut b = Router::new(cfg(extra), 2, seed);
+            for e in if as_peer {
+                &adopted[..]
+            } else {
+                core::slice::from_ref(&d.event)
+            } {
+                b.apply(e, 10);
+            }
+            assert_eq!(b.worker_view(d.decode, 11).inflight, 1);
+            // The same prompt again, or one sharing only its first block, ends nothing.
+            let shared = first[..70].to_string() + &doc(71, 300);
+            for p in [&first, &shared] {
+                let x = routed(b.route(ApiKind::Completions, &completion(p), 11));
+                b.apply(&Event::Free { id: x.id }, 11);
+                assert_eq!(b.worker_view(d.decode, 11).inflight, 1);
+            }
+            let next = format!("{first} answer of turn one, and the user's next question");
+            let n = routed(b.route(ApiKind::Completions, &completion(&next), 12));
+            assert!(n.decode_overlap_tokens > 0 || n.decode != d.decode);
+            if as_peer {
+                let running = u32::from(n.decode == d.decode);
+                assert_eq!(
+                    b.worker_view(d.decode, 12).inflight,
+                    running,
+                    "turn one ended"
+                );
+            }
+            n.decode != d.decode
+        };
+        let moved = |as_peer| (0..20).filter(|&s| moves(s, as_peer)).count();
+        assert_eq!(moved(true), 0, "next turns moved");
+        assert!(moved(false) >= 10, "{} of 20", moved(false));
     }
 
     /// Two threads routing one burst: without the shared record each sees every worker

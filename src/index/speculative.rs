@@ -217,6 +217,24 @@ impl Speculative {
         }
     }
 
+    /// Requests whose id matches `pred` and whose whole prompt `hashes` extends by at least a
+    /// block (block hashes are chained: their last one matching is enough).
+    pub fn extended_by(&self, hashes: &[u64], pred: impl Fn(RequestId) -> bool) -> Vec<RequestId> {
+        self.reqs
+            .iter()
+            .filter(|(id, p)| {
+                pred(**id)
+                    && p.hashes.len() < hashes.len()
+                    && p.hashes
+                        .len()
+                        .checked_sub(1)
+                        .and_then(|i| hashes.get(i))
+                        .is_some_and(|h| p.hashes.last() == Some(h))
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Drops every request whose id matches `pred`; returns how many.
     pub fn drop_matching(&mut self, pred: impl Fn(RequestId) -> bool) -> usize {
         let ids: Vec<RequestId> = self.reqs.keys().copied().filter(|&id| pred(id)).collect();

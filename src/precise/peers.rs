@@ -30,6 +30,11 @@ pub fn peer_tag(gateway: &str) -> u64 {
     0x80_0000 | (xxh3_64(gateway.as_bytes()) & 0x7F_FFFF)
 }
 
+/// Whether `id` is another gateway's request (whichever).
+pub fn is_peer_id(id: RequestId) -> bool {
+    id >> 63 == 1
+}
+
 /// Whether `id` belongs to the peer with `tag`.
 pub fn is_peer_request(id: RequestId, tag: u64) -> bool {
     id >> LOW_BITS == tag
