@@ -11,38 +11,16 @@ mod relay_targets {
     include!("../fuzz/src/relay_targets.rs");
 }
 
+mod replay {
+    include!("../fuzz/src/replay.rs");
+}
+
 use std::fs;
 use std::path::PathBuf;
 
-fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target);
-    let mut files: Vec<_> = fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| entry.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    files
-        .into_iter()
-        .map(|p| {
-            let data = fs::read(&p).unwrap();
-            (p, data)
-        })
-        .collect()
-}
-
 fn replay(target: &str) {
-    let files = corpus(target);
-    assert!(files.len() >= 3, "{target}: only {} seeds", files.len());
-    for (path, data) in files {
-        let ran = std::panic::catch_unwind(|| targets::run(target, &data));
-        match ran {
-            Ok(known) => assert!(known, "no target named {target}"),
-            Err(_) => panic!("{target}: {} fails", path.display()),
-        }
-    }
+    let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    replay::replay(&corpus, target, targets::run);
 }
 
 #[test]
