@@ -57,7 +57,6 @@ fn first(gateway: &str, decisions: Vec<Vec<u8>>) -> WatchRequest {
         block_size: BS,
         group: "g".into(),
         decisions,
-        ..WatchRequest::default()
     }
 }
 
