@@ -544,6 +544,9 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
             raise RuntimeError(f"{wasm} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
     site = envoyconf.bench_site(port, admin, wasm)
+    if cfg.get("worker_id_header"):
+        # Engines that do not name themselves (vLLM): Envoy adds x-worker-id (bench/vllm.py).
+        site = dataclasses.replace(site, worker_id_header=True)
     if cfg.get("envoy_timing_log"):
         site = dataclasses.replace(site, access_log=True, access_log_format=envoyconf.TIMING_LOG_FORMAT)
     if policy in PRECISE_POLICIES:
