@@ -247,6 +247,9 @@ def vllm_batches():
     # Sixty blocks in one chain: more than the fuzz index holds, so eviction runs.
     yield "long_chain", mp([8.0, [stored_event(list(range(1000, 1060)), None, list(range(240)))]])
     yield "truncated", mp([1.0, [chain, under]])[:-7]
+    # One engine hash stored twice with other tokens: the first kvroute hash must be removed.
+    yield "restored_other_tokens", mp([9.0, [stored_event([51], None, [1, 2, 3, 4]),
+                                             stored_event([51], None, [5, 6, 7, 8])]])
 
 
 def zmtp_frame(body: bytes, more=False, command=False) -> bytes:

@@ -98,13 +98,20 @@ impl BlockTable {
 
     /// Inserts a root-level entry (no parent link); see [`BlockTable::insert_under`].
     pub fn insert(&mut self, engine: u64, kvroute: u64, depth: u32) {
-        self.insert_under(engine, kvroute, depth, None);
+        let _ = self.insert_under(engine, kvroute, depth, None);
     }
 
     /// Inserts (or replaces) a block whose parent's engine hash is `parent`. The caller
     /// makes room first (`is_full` / `evict`): the table never grows past `max` through
     /// [`EngineIndex`], which evicts before inserting.
-    pub fn insert_under(&mut self, engine: u64, kvroute: u64, depth: u32, parent: Option<u64>) {
+    /// Returns the kvroute hash the block had before, if it was held.
+    pub fn insert_under(
+        &mut self,
+        engine: u64,
+        kvroute: u64,
+        depth: u32,
+        parent: Option<u64>,
+    ) -> Option<u64> {
         let e = split(engine);
         let entry = Entry {
             engine: e,
@@ -117,7 +124,11 @@ impl BlockTable {
             .table
             .entry(mix(engine), |x| x.engine == e, |x| mix(join(x.engine)))
         {
-            hashbrown::hash_table::Entry::Occupied(mut o) => *o.get_mut() = entry,
+            hashbrown::hash_table::Entry::Occupied(mut o) => {
+                let before = join(o.get().kvroute);
+                *o.get_mut() = entry;
+                return Some(before);
+            }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(entry);
             }
@@ -127,6 +138,7 @@ impl BlockTable {
             self.inserts_in_gen = 0;
             self.gen = self.gen.saturating_add(1);
         }
+        None
     }
 
     /// Marks `engine` and its ancestors used now (a new block was stored under it). Stops at
@@ -445,7 +457,13 @@ impl EngineIndex {
                 }
             }
             let kv = token_block_hash(parent, tokens, seed);
-            self.blocks.insert_under(*h, kv, depth, parent_engine);
+            // An engine hash stored again under other tokens or another parent: the
+            // gateways must drop the hash they were told before.
+            if let Some(before) = self.blocks.insert_under(*h, kv, depth, parent_engine) {
+                if before != kv {
+                    out.remove(before);
+                }
+            }
             out.store(kv);
             c.blocks_stored += 1;
             parent = Some(kv);
