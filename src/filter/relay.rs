@@ -143,19 +143,6 @@ impl State {
         self.relay.opened_ms = now;
         self.relay.sharing = share;
         self.relay.feed.restart();
-        self.relay_urgent(share);
-    }
-
-    /// While this VM forwards the process's decisions to other gateways, the other VMs send
-    /// it theirs at once. A VM that does not route (Envoy's main thread often holds the
-    /// stream) otherwise gets them in batches every tick: a conversation's first turn reached
-    /// the other gateway up to 250 ms late, and its next turn, sent at once through that
-    /// gateway, went to another worker (issue 46).
-    fn relay_urgent(&mut self, sharing: bool) {
-        let urgent = sharing || self.serving;
-        if let Some(r) = &mut self.repl {
-            r.set_urgent(self.bus.as_ref(), self.host.now_ms(), urgent);
-        }
     }
 
     /// `Bearer <token>` from the VM's environment variable `relay.token_env`, if it is set.
@@ -315,7 +302,6 @@ impl State {
             return;
         }
         self.relay.token = None;
-        self.relay_urgent(false);
         // 16: UNAUTHENTICATED, the relay wants a token this gateway lacks or has wrong.
         if status == 16 {
             let var = self.router.config().relay.token_env.clone();
@@ -337,7 +323,6 @@ impl State {
     fn relay_drop(&mut self, why: &str, failure: bool) {
         if let Some(t) = self.relay.token.take() {
             self.host.grpc_cancel(t);
-            self.relay_urgent(false);
         }
         if failure {
             self.relay_lost(why);

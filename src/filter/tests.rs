@@ -1708,6 +1708,57 @@ fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
     assert_eq!(b.counter("kvroute.peers.gone.total"), 1);
 }
 
+/// The next turn of a conversation reaches the other gateway before the first turn's end
+/// events do (they follow the answer by a few ms; the client sends at once): that gateway
+/// still sends it to the first turn's worker, and no longer counts the first turn there.
+#[test]
+fn the_next_turn_through_the_other_gateway_beats_the_first_turns_end_events() {
+    use crate::precise::wire::{PeerDecisions, Phase, WatchRequest};
+    use prost::Message;
+    let cfg = r#","disaggregation":{"threshold_tokens":0},"relay":{"cluster":"relay"}"#;
+    let moved = (0..12u64)
+        .filter(|&i| {
+            let a = Vm::with_bus(cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
+            let b = Vm::with_bus(cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
+            for vm in [&a, &b] {
+                vm.state.borrow_mut().start_serving();
+                vm.state.borrow_mut().tick();
+                vm.state.borrow_mut().tick();
+                vm.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
+            }
+            let name_a = WatchRequest::decode(a.f().grpc_sent[0].1.as_slice())
+                .unwrap()
+                .gateway;
+            let user = format!("conversation {i}: {}", "lorem ipsum dolor sit amet ".repeat(12));
+            let turn1 = serde_json::json!({"model": "m", "max_tokens": 8, "prompt": user});
+            let (h, _) = a.post_json(turn1);
+            // Only the decision has left A yet.
+            a.state.borrow_mut().drain();
+            let decisions: Vec<Vec<u8>> = a
+                .f()
+                .grpc_sent
+                .iter()
+                .skip(1)
+                .flat_map(|(_, m, _)| WatchRequest::decode(m.as_slice()).unwrap().decisions)
+                .collect();
+            let mut u = relay_update(2, Phase::Live, &[]);
+            u.peers = vec![PeerDecisions {
+                gateway: name_a,
+                decisions,
+                sent_unix_ns: 0,
+            }];
+            b.relay_update(500, &u);
+            assert_eq!(b.inflight(), 1);
+            let turn2 = serde_json::json!({"model": "m", "max_tokens": 8,
+                "prompt": format!("{user} assistant: the answer of turn one, a few sentences long. user: go on")});
+            let (h2, _) = b.post_json(turn2);
+            assert_eq!(b.inflight(), 1, "turn one ended, turn two runs");
+            h2.decision().unwrap().decode != h.decision().unwrap().decode
+        })
+        .count();
+    assert_eq!(moved, 0);
+}
+
 /// A peer's message is data about its own requests: a forged one that fails two workers,
 /// reports a third busy (stamped u64::MAX) and charges a request stamped u64::MAX changes
 /// no worker's health or load report, and the charge ends by this gateway's clock.
