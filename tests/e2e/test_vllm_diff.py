@@ -92,18 +92,21 @@ class Events:
         self.sock.close(linger=0)
 
 
-def replay_from_start(ctx, port: int) -> list[dict]:
+def replay_from_start(ctx, port: int) -> tuple[list[dict], set[int]]:
     """The events of every batch the engine still buffers, from sequence 0, through its replay
-    socket (a subscriber that joins after start-up misses what was published before)."""
+    socket (a subscriber that joins after start-up misses what was published before), and the
+    frame counts of its answers (vLLM 0.32: `["", topic, seq, payload]`, end marker included)."""
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send_multipart([b"", (0).to_bytes(8, "big")])
         out: list[dict] = []
+        layout: set[int] = set()
         while sock.poll(5000):
             frames = sock.recv_multipart()
-            if frames[-2 if len(frames) > 2 else -1] == b"\xff" * 8 or len(frames) < 3 or not frames[-1]:
-                return out
+            layout.add(len(frames))
+            if frames[-2] == b"\xff" * 8:
+                return out, layout
             batch = msgspec.msgpack.decode(frames[-1])
             out.extend(normalize(e) for e in (batch["events"] if isinstance(batch, dict) else batch[1]))
         raise AssertionError(f"no replay end marker from port {port}")
@@ -263,8 +266,9 @@ def test_mock_and_vllm_agree_request_by_request(engines):
                          "unknown_removed": unknown}
         rows.append(row)
 
-    startup = {n: None if e.startup is None else shape(e.startup, set()) for n, e in engines.items()}
-    report = [f"startup events: vllm {startup['vllm']}, mock {startup['mock']}"]
+    startup = {n: None if e.startup is None else (shape(e.startup[0], set()), e.startup[1])
+               for n, e in engines.items()}
+    report = [f"start-up (events, replay frame counts): vllm {startup['vllm']}, mock {startup['mock']}"]
     for r in rows:
         report.append(f"{r['step']}:\n  vllm {r['vllm']}\n  mock {r['mock']}")
     print("\n" + "\n".join(report))
