@@ -1,5 +1,7 @@
 #![no_main]
 
+// Each target uses one body of the shared file.
+#[allow(dead_code)]
 #[path = "../src/relay.rs"]
 mod relay;
 

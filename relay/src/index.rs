@@ -198,7 +198,7 @@ impl BlockTable {
         let mut ties = n - below;
         // Into a fresh table sized for `max`: erasing in place would leave tombstones, and a
         // table of tombstones grows (to 4x the entries, measured) instead of reusing them.
-        let mut kept = HashTable::with_capacity(self.max);
+        let mut kept = HashTable::with_capacity(self.max.min(self.table.len()));
         for x in self.table.drain() {
             let k = x.evict_key();
             if k < threshold || (k == threshold && ties > 0) {
