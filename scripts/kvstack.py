@@ -688,10 +688,15 @@ class VllmWorker(Worker):
     in front of engines that outlive it (`Stack.stop(workers=False)`)."""
 
     def __init__(self, name: str, port: int = 0, kv_blocks: int = 128, core: int | None = None,
-                 kv_events: int = 0, kv_replay: int = 0, max_model_len: int = 0, args: list | None = None):
+                 kv_events: int = 0, kv_replay: int = 0, max_model_len: int = 0, eager: bool = True,
+                 args: list | None = None):
         super().__init__(name, role="both", port=port, kv_blocks=kv_blocks, prompt_tokens_details=True,
                          args=list(args or []), kv_events=kv_events, kv_replay=kv_replay)
         self.core = core
+        # torch.compile costs 12-80 s per start (its cache never loads with this vLLM and torch:
+        # "'function' object has no attribute 'finalize_loading'", so every start compiles) and
+        # bought nothing on the tiny model here (prefill of 2.3k tokens and decode as fast eager).
+        self.eager = eager
         # vLLM refuses to start unless one request of max_model_len fits in the KV cache, less
         # one block (64 blocks of 32: at most 2,016 tokens).
         self.max_model_len = max_model_len or min(4096, (kv_blocks - 1) * VLLM_BLOCK)
@@ -708,6 +713,8 @@ class VllmWorker(Worker):
                "--dtype", "bfloat16", "--block-size", str(VLLM_BLOCK), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(self.kv_blocks),
                "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+        if self.eager:
+            cmd.append("--enforce-eager")
         if self.kv_events:
             # The PUB endpoint must contain `*`: vLLM binds only then (with a host it connects,
             # and nothing listens). The replay ROUTER binds the address as given.
@@ -746,8 +753,9 @@ class VllmWorker(Worker):
         self.spawn(log_dir)
         self.wait_ready()
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        """Until /health answers 200 (the engine core is up and the model loaded)."""
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Until /health answers 200 (the engine core is up and the model loaded). The default
+        is generous: three engines took 125-150 s to start on two cores other jobs loaded."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -801,7 +809,7 @@ def stop_group(proc: subprocess.Popen, grace: float) -> None:
     proc.wait()
 
 
-def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 300.0) -> None:
+def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 600.0) -> None:
     """Starts every engine at once and waits until all are healthy (on failure, stops them all)."""
     try:
         for w in workers:
