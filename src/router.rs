@@ -959,11 +959,23 @@ impl Router {
     /// running, the first turn moved one in two second turns sent at once through the other
     /// gateway (issue 46). The late events then find nothing left to do. Only peers' requests:
     /// this gateway's own end before their client can send another turn.
+    ///
+    /// A prefix the worker already held when that request came (in the index) is a shared
+    /// one, like a request in flight's last block that others expect too (see
+    /// `Speculative::extended_by`): such a request may still run, and stays.
     fn end_continued_peer_requests(&mut self, hashes: &[u64], now_ms: u64) {
-        for id in self
+        let ids = self
             .speculative
-            .extended_by(hashes, crate::precise::peers::is_peer_id)
-        {
+            .extended_by(hashes, crate::precise::peers::is_peer_id);
+        let mut run = vec![0u32; self.cfg.workers.len()];
+        for id in ids {
+            let Some(p) = self.speculative.get(id) else {
+                continue;
+            };
+            self.index.lookup(&p.hashes, now_ms, &mut run);
+            if run.get(usize::from(p.worker)).copied().unwrap_or(0) as usize >= p.hashes.len() {
+                continue;
+            }
             self.apply(&Event::Confirmed { id }, now_ms);
             self.apply(&Event::Free { id }, now_ms);
         }
@@ -1092,6 +1104,45 @@ mod tests {
         let moved = |as_peer| (0..20).filter(|&s| moves(s, as_peer)).count();
         assert_eq!(moved(true), 0, "next turns moved");
         assert!(moved(false) >= 10, "{} of 20", moved(false));
+
+        // A prefix that is not the peer's own: its worker held it already (an earlier request
+        // ended there), or another request in flight expects it too. It stays charged.
+        let longer = format!("{first} and a different question after the shared part");
+        for shared_by in ["index", "in flight"] {
+            let mut b = Router::new(cfg(extra), 2, 3);
+            if shared_by == "index" {
+                let mut earlier = d.event.clone();
+                if let Event::Routed(r) = &mut earlier {
+                    r.id = 77;
+                }
+                b.apply(&earlier, 5);
+                b.apply(&Event::Confirmed { id: 77 }, 6);
+                b.apply(&Event::Free { id: 77 }, 7);
+            }
+            for e in &adopted {
+                b.apply(e, 10);
+            }
+            if shared_by == "in flight" {
+                let mut other = Vec::new();
+                peers.adopt(
+                    vec![d.event.clone()],
+                    crate::precise::peers::peer_tag("c"),
+                    10,
+                    &mut other,
+                );
+                for e in &other {
+                    b.apply(e, 10);
+                }
+            }
+            let before = b.worker_view(d.decode, 11).inflight;
+            let n = routed(b.route(ApiKind::Completions, &completion(&longer), 12));
+            let after = b.worker_view(d.decode, 12).inflight;
+            assert_eq!(
+                after,
+                before + u32::from(n.decode == d.decode),
+                "{shared_by}"
+            );
+        }
     }
 
     /// Two threads routing one burst: without the shared record each sees every worker

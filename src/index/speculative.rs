@@ -218,7 +218,9 @@ impl Speculative {
     }
 
     /// Requests whose id matches `pred` and whose whole prompt `hashes` extends by at least a
-    /// block (block hashes are chained: their last one matching is enough).
+    /// block (block hashes are chained: their last one matching is enough), and whose last
+    /// block no other request in flight expects on that worker: a block several requests
+    /// share ends a shared prefix (a system prompt), not one conversation's turn.
     pub fn extended_by(&self, hashes: &[u64], pred: impl Fn(RequestId) -> bool) -> Vec<RequestId> {
         self.reqs
             .iter()
@@ -230,6 +232,10 @@ impl Speculative {
                         .checked_sub(1)
                         .and_then(|i| hashes.get(i))
                         .is_some_and(|h| p.hashes.last() == Some(h))
+                    && p.hashes
+                        .last()
+                        .and_then(|h| self.held.get(&slot(*h, p.worker)))
+                        .is_some_and(|c| c.all == 1)
             })
             .map(|(id, _)| *id)
             .collect()
