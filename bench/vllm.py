@@ -46,9 +46,24 @@ WORKLOAD = ["--system-prompts", "12", "--system-tokens", "1000", "--zipf", "1.1"
             "--user-tokens", "100", "--turns", "2-4", "--think-ms", "500", "--max-tokens", "16"]
 
 
+# Diagnostic variants (not in the default set): a policy's plugin config with one change, to
+# tell why it does or does not lead. The tokenize callout's default timeout is 100 ms; a vLLM
+# API server that is also serving a busy engine on one core answers later than that.
+VARIANTS = {
+    "kvroute-precise-tokenize1s": ("kvroute-precise", {"tokenize": {"timeout_ms": 1000}}),
+}
+
+
 def engine_counters(ws):
-    """The fleet's vllm:prefix_cache_{hits,queries}_total and vllm:num_preemptions_total."""
-    return run.scrape(ws)
+    """The fleet's vllm:prefix_cache_{hits,queries}_total and vllm:num_preemptions_total, and
+    each engine's finished requests (`requests:<name>`, all finish reasons)."""
+    out = run.scrape(ws)
+    for w in ws:
+        st, _, b = run.http("GET", w["url"] + "/metrics", timeout=5)
+        out[f"requests:{w['name']}"] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in b.decode().splitlines()
+            if line.startswith("vllm:request_success_total{")) if st == 200 else 0.0
+    return out
 
 
 def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
@@ -58,19 +73,22 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
     started = list(run.Procs.live)
     t0 = time.time()
     try:
-        precise = policy in run.PRECISE_POLICIES
+        base, change = VARIANTS.get(policy, (policy, {}))
+        precise = base in run.PRECISE_POLICIES
         procs, admins, relay_port = [], [], None
         if precise:
             rp, relay_port, _ = run.start_relay(cfg, ws, cell)
             procs.append(rp)
-        if policy.startswith("kvroute") or policy.startswith("envoy"):
-            extra = dict(run.PRECISE_POLICIES.get(policy) or {}, models=[kvstack.VLLM_MODEL])
-            p, url, admin = run.start_envoy(cfg, policy, ws, cell, extra, relay_port)
+        if base.startswith("kvroute") or base.startswith("envoy"):
+            extra = dict(run.PRECISE_POLICIES.get(base) or {}, models=[kvstack.VLLM_MODEL])
+            for k, v in change.items():
+                extra[k] = dict(extra.get(k) or {}, **v)
+            p, url, admin = run.start_envoy(cfg, base, ws, cell, extra, relay_port)
             admins.append(admin)
         else:
             p, url = run.start_peer(cfg, policy, ws, cell)
         procs.append(p)
-        run.check_routes(url, procs, policy, admins if policy.startswith("kvroute") else ())
+        run.check_routes(url, procs, policy, admins if base.startswith("kvroute") else ())
         if precise:
             run.wait_stream_live(admins[0], procs)
         # Cold caches for every router (the ready check above cached a few tokens).
@@ -95,6 +113,9 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
         s["engine_prompt_tokens"] = q
         s["preemptions"] = d.get("vllm:num_preemptions_total")
         s["failed"] = s["requests"] - s["ok"]
+        per = {w["name"]: d.get(f"requests:{w['name']}", 0.0) for w in ws}
+        s["engine_requests"] = per
+        s["engine_max_over_mean"] = max(per.values()) / (sum(per.values()) / len(per)) if sum(per.values()) else None
         if precise:
             st = run.envoy_kvroute_stats(admins[0])
             s["precise"] = {k: run.stat(st, k) for k in (
@@ -136,22 +157,25 @@ def markdown(res):
          "jobs of the machine; times are wall seconds.", "",
          "Each cell: mean of the repeats [min-max]. Hit rate: the engines' own (vllm:prefix_cache_hits / "
          "queries over the run). TTFT: client-side, streaming. Failed: requests without a 200 and a "
-         "complete stream.", ""]
+         "complete stream. max/mean per engine: the busiest engine's finished requests over the mean "
+         "(the engines' own vllm:request_success_total; also for the peer routers, which add no "
+         "x-worker-id).", ""]
     for load in c["loads"]:
         L += [f"## Load {load:g} new chats/s", "",
-              "| policy | engine hit rate | TTFT p50 s | TTFT p90 s | failed | preemptions | requests |",
-              "|---|---|---|---|---|---|---|"]
+              "| policy | engine hit rate | TTFT p50 s | TTFT p90 s | failed | preemptions | requests | max/mean per engine |",
+              "|---|---|---|---|---|---|---|---|"]
         for pol, r in res["policies"].items():
             runs = r["runs"].get(f"{load:g}", [])
             if not runs:
-                L.append(f"| {pol} | not run: {r.get('error', '-')} | | | | | |")
+                L.append(f"| {pol} | not run: {r.get('error', '-')} | | | | | | |")
                 continue
             L.append(f"| {pol} | {spread([x['engine_hit_rate'] for x in runs], '.3f')} | "
                      f"{spread([x['ttft_s']['p50'] for x in runs], '.3f')} | "
                      f"{spread([x['ttft_s']['p90'] for x in runs], '.3f')} | "
                      f"{spread([x['failed'] for x in runs], '.0f')} | "
                      f"{spread([x.get('preemptions') for x in runs], '.0f')} | "
-                     f"{spread([x['requests'] for x in runs], '.0f')} |")
+                     f"{spread([x['requests'] for x in runs], '.0f')} | "
+                     f"{spread([x.get('engine_max_over_mean') for x in runs], '.2f')} |")
         L.append("")
     if res.get("not_run"):
         L += ["Not run: " + "; ".join(f"{k}: {v}" for k, v in res["not_run"].items()), ""]
@@ -167,18 +191,27 @@ def main():
     ap.add_argument("--window-s", type=float, default=10.0, help="seconds of new chats per run")
     ap.add_argument("--kv-blocks", type=int, default=96, help="per engine (--num-gpu-blocks-override)")
     ap.add_argument("--seed", type=int, default=707)
+    ap.add_argument("--report-only", action="store_true", help="rewrite results.md from results.json")
     a = ap.parse_args()
+    out = os.path.join(HERE, "results", a.name)
+    if a.report_only:
+        with open(os.path.join(out, "results.json")) as f:
+            md = markdown(json.load(f))
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(md + "\n")
+        print(md)
+        return
     if kvstack.vllm_paths() is None:
         sys.exit("vLLM is not installed: make vllm")
     policies = [p for p in a.policies.split(",") if p]
     loads = [float(x) for x in a.loads.split(",")]
-    out = os.path.join(HERE, "results", a.name)
     rawdir = os.path.join(out, "raw")
     os.makedirs(rawdir, exist_ok=True)
     # run.py's helpers name the model in the ready check and the relay's --model.
     run.MODEL = kvstack.VLLM_MODEL
     t_start = time.time()
-    engines = kvstack.vllm_fleet(3, kv_blocks=a.kv_blocks, kv_events="kvroute-precise" in policies)
+    engines = kvstack.vllm_fleet(3, kv_blocks=a.kv_blocks,
+                                 kv_events=any(VARIANTS.get(p, (p,))[0] in run.EVENT_POLICIES for p in policies))
     logdir = tempfile.mkdtemp(prefix="kvroute-bench-vllm-")
     cfg = dict(run.COMMON, block_size=kvstack.VLLM_BLOCK, kv_blocks=a.kv_blocks, seed=a.seed,
                worker_id_header=True, envoy_concurrency=1)
