@@ -73,8 +73,9 @@ bench-signals: bench-deps
 # Routing on real vLLM (bench/vllm.py, issue 41): three vLLM CPU engines with a small KV cache,
 # kvroute (predicted and precise) against Envoy's round-robin and ring-hash, sglang-router and
 # vllm-router on one multi-turn shared-prefix chat workload, two loads, two repeats; the
-# engines' own hit rate, TTFT p50/p90, failed requests. About 12 min on this 2-core machine,
-# engine start included. Not part of make test. Results: bench/results/vllm/.
+# engines' own hit rate, TTFT p50/p90, failed requests. 9 min on this 2-core machine under
+# contention, the engines' start (2.5 min) included. Not part of make test. Results:
+# bench/results/vllm/.
 .PHONY: bench-vllm
 bench-vllm: vllm bench-deps relay
 	$(BENCH_PY) bench/vllm.py $(BENCH_ARGS)
