@@ -237,8 +237,10 @@ check "both gateways' relay streams are live (kvroute_precise_stream_live: envoy
 auth_on() {
     local r
     for r in relay-1 relay-2; do
-        compose logs --no-color "$r" 2>&1 | grep -q "gRPC clients must send the relay token" || return 1
-        compose logs --no-color "$r" 2>&1 | grep -q 'NATS user "relay"' || return 1
+        # To a file first: `grep -q` ends the pipe early, and pipefail would count that.
+        compose logs --no-color "$r" >"$tmp/$r.log" 2>&1 || return 1
+        grep -q "gRPC clients must send the relay token" "$tmp/$r.log" || return 1
+        grep -q 'NATS user "relay"' "$tmp/$r.log" || return 1
     done
 }
 check "both relays require the token and log in to NATS as user relay" auth_on
