@@ -395,19 +395,22 @@ def run_vllm() -> int:
 
     for w in engines:
         started(w.proc.pid)
+    envoy_env: dict = {}
     if PRECISE:
+        envoy_env, relay_auth, _ = run_secrets()
         relay = kvstack.vllm_relay(engines, port=RELAY_PORTS[0], metrics_port=RELAY_PORTS[1])
-        started(spawn(relay.command(), "relay.log").pid)
+        started(spawn(relay.command() + relay_auth[:2], "relay.log").pid)
     conf = os.path.join(RUN_DIR, "envoy-vllm.yaml")
     with open(conf, "w") as f:
         f.write(envoyconf.to_yaml(vllm_bootstrap(engines, PRECISE)))
-    e = spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log")
+    e = spawn([kvstack.ENVOY, "-c", conf, "--concurrency", "2"], "envoy.log", env=envoy_env)
     started(e.pid)
     wait_port(10000, proc=e)
     print("kvroute stack running on vLLM: Envoy http://127.0.0.1:10000 (admin http://127.0.0.1:9901)")
     print(f"  vLLM workers 127.0.0.1:{VLLM_PORTS[0]}-{VLLM_PORTS[-1]} ({VLLM_KV_BLOCKS} KV blocks of "
           f"{kvstack.VLLM_BLOCK} tokens each, model {kvstack.VLLM_MODEL}); Envoy config and logs in build/run/")
     if PRECISE:
+        print("  authentication: the relay token is in build/run/relay-token (Envoy has it in KVROUTE_RELAY_TOKEN)")
         print(f"  precise mode: KV events on tcp://127.0.0.1:{VLLM_EVENT_PORT}-{VLLM_EVENT_PORT + len(engines) - 1} "
               f"(replay {REPLAY_OFFSET} above), kvroute-relay gRPC 127.0.0.1:{RELAY_PORTS[0]}, metrics "
               f"http://127.0.0.1:{RELAY_PORTS[1]}/metrics; prompts tokenized by the engines' /tokenize")
