@@ -790,7 +790,10 @@ class VllmWorker(Worker):
 
 
 def stop_group(proc: subprocess.Popen, grace: float) -> None:
-    """Ends the process group `proc` leads (it was started with start_new_session)."""
+    """Ends the process group `proc` leads (it was started with start_new_session), once: a
+    second call must not signal a group id the kernel may since have given to someone else."""
+    if getattr(proc, "group_ended", False):
+        return
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:
@@ -807,6 +810,7 @@ def stop_group(proc: subprocess.Popen, grace: float) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    proc.group_ended = True
 
 
 def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 600.0) -> None:
