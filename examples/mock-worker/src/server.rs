@@ -589,7 +589,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
         "created": unix_now(),
         "model": model,
         "choices": [choice],
-        "usage": usage_json(&usage, cfg.enable_prompt_tokens_details, false),
+        "usage": usage_json(&usage, cfg.enable_prompt_tokens_details, false, kind),
     });
     let mut r = respond(StatusCode::OK, "application/json", body.to_string(), name);
     if let Some(v) = ctx.orca(orca_fmt.as_ref(), false) {
@@ -606,17 +606,35 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
 /// vLLM's `usage`. `prompt_tokens_details` only with `--enable-prompt-tokens-details`, and
 /// then even when nothing was cached (vLLM reports `cached_tokens: 0`). Without the flag a
 /// JSON response carries `"prompt_tokens_details": null` (pydantic's full dump) and a stream
-/// omits the field (vLLM dumps stream chunks with `exclude_unset`).
-fn usage_json(u: &Usage, details: bool, stream: bool) -> serde_json::Value {
+/// omits the field (vLLM dumps stream chunks with `exclude_unset`). vLLM 0.32's details also
+/// have `created_cache_tokens` (chat: the prompt tokens the request added to the cache;
+/// completions: null) and `multimodal_tokens` (null), left out of stream chunks when null,
+/// and a JSON body has `completion_tokens_details: null`.
+fn usage_json(u: &Usage, details: bool, stream: bool, kind: Kind) -> serde_json::Value {
     let mut v = json!({
         "prompt_tokens": u.prompt_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "completion_tokens": u.completion_tokens,
     });
     if details {
-        v["prompt_tokens_details"] = json!({"cached_tokens": u.cached_tokens});
+        let created = match kind {
+            Kind::Chat => json!(u.created_cache_tokens),
+            Kind::Completion => serde_json::Value::Null,
+        };
+        let mut d = json!({"cached_tokens": u.cached_tokens,
+            "created_cache_tokens": created, "multimodal_tokens": null});
+        if stream {
+            // vLLM's stream chunks leave out the null fields.
+            if let Some(m) = d.as_object_mut() {
+                m.retain(|_, x| !x.is_null());
+            }
+        }
+        v["prompt_tokens_details"] = d;
     } else if !stream {
         v["prompt_tokens_details"] = serde_json::Value::Null;
+    }
+    if !stream {
+        v["completion_tokens_details"] = serde_json::Value::Null;
     }
     v
 }
@@ -821,7 +839,7 @@ impl SseBody {
             s.push_str("data: ");
             s.push_str(&self.head);
             s.push_str("],\"usage\":");
-            s.push_str(&usage_json(u, self.details, true).to_string());
+            s.push_str(&usage_json(u, self.details, true, self.kind).to_string());
             s.push_str("}\n\n");
         }
         if self.timing {

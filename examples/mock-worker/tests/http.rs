@@ -696,16 +696,44 @@ async fn prompt_tokens_details_only_with_the_vllm_flag() {
     // With the flag: reported, a cold prompt included (cached_tokens 0).
     let w = worker("--speedup 50 --enable-prompt-tokens-details").await;
     let cold = post(w.addr, "/v1/completions", &body, &[]).await.json();
+    // vLLM 0.32's fields: created_cache_tokens is null on completions.
     assert_eq!(
         cold["usage"]["prompt_tokens_details"],
-        json!({"cached_tokens": 0})
+        json!({"cached_tokens": 0, "created_cache_tokens": null, "multimodal_tokens": null})
     );
+    assert!(cold["usage"]["completion_tokens_details"].is_null());
     let su = last_usage(&post(w.addr, "/v1/completions", &stream, &[]).await);
     assert!(
         su["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap()
             > 100
+    );
+    // Stream chunks leave the null fields out, as vLLM's do.
+    assert_eq!(
+        su["prompt_tokens_details"].as_object().unwrap().len(),
+        1,
+        "{su}"
+    );
+    // Chat: the prompt tokens the request added to the cache, its full blocks (16 tokens)
+    // less its hit: all of them cold, none on a repeat.
+    let chat = json!({"messages": [{"role": "user", "content": text(3, 200)}], "max_tokens": 2})
+        .to_string();
+    let first = post(w.addr, "/v1/chat/completions", &chat, &[])
+        .await
+        .json();
+    let p = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        first["usage"]["prompt_tokens_details"]["created_cache_tokens"],
+        json!(p / 16 * 16)
+    );
+    let again = post(w.addr, "/v1/chat/completions", &chat, &[])
+        .await
+        .json();
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"],
+        json!({"cached_tokens": p / 16 * 16 - if p % 16 == 0 { 16 } else { 0 },
+               "created_cache_tokens": if p % 16 == 0 { 16 } else { 0 }, "multimodal_tokens": null})
     );
 }
 
