@@ -701,7 +701,10 @@ class VllmWorker(Worker):
         # one block (64 blocks of 32: at most 2,016 tokens).
         self.max_model_len = max_model_len or min(4096, (kv_blocks - 1) * VLLM_BLOCK)
         self.log_path = ""
+        self.log_start = 0  # where this start's output begins in the (appended) log
         self.started_s = 0.0  # spawn to healthy, seconds (engine start time)
+        # Ports this class picked (the caller gave none): picked again when one was taken.
+        self.picked: set[str] = set()
 
     def command(self) -> list[str]:
         paths = vllm_paths()
@@ -740,9 +743,12 @@ class VllmWorker(Worker):
     def spawn(self, log_dir: str = "") -> None:
         if self.running():
             return
-        self.port = self.port or free_port()
+        if not self.port:
+            self.port = engine_port()
+            self.picked.add("port")
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{self.name}.log")
         log = open(self.log_path, "ab")
+        self.log_start = log.tell()
         self.spawned_at = time.time()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                      cwd=ROOT, start_new_session=True)
@@ -771,11 +777,25 @@ class VllmWorker(Worker):
         raise TimeoutError(f"vLLM {self.name} not ready after {timeout}s; log tail:\n" + self.log_tail())
 
     def log_tail(self, n: int = 4000) -> str:
+        """The last `n` characters this start wrote."""
         try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-n:]
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                return f.read().decode(errors="replace")[-n:]
         except OSError:
             return ""
+
+    def lost_a_port(self) -> bool:
+        """The last start failed because a port was taken between picking and binding (vLLM
+        binds its event sockets some 40 s after it starts)."""
+        return self.proc is not None and self.proc.poll() is not None and \
+            "address already in use" in self.log_tail(1 << 20).lower()
+
+    def pick_ports_again(self) -> bool:
+        """New ports for those this class picked; False when the caller fixed them all."""
+        for attr in self.picked:
+            setattr(self, attr, engine_port())
+        return bool(self.picked)
 
     def stop(self) -> None:
         """SIGTERM to the engine's process group, SIGKILL to whatever is left after 15 s."""
@@ -813,13 +833,41 @@ def stop_group(proc: subprocess.Popen, grace: float) -> None:
     proc.group_ended = True
 
 
-def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 600.0) -> None:
-    """Starts every engine at once and waits until all are healthy (on failure, stops them all)."""
+def engine_port() -> int:
+    """A free port for an engine, below the kernel's ephemeral range (32768 and up): vLLM binds
+    its sockets tens of seconds after the port is picked, and a port from the ephemeral range
+    was taken by some client connection in between on a busy machine (seen in a test run)."""
+    import random
+    while True:
+        port = random.randrange(20000, 32000)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                # vLLM's PUB socket binds every interface (tcp://*:port): test the same.
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+
+
+def start_vllm(workers: list[VllmWorker], log_dir: str = "", timeout: float = 600.0, attempts: int = 3) -> None:
+    """Starts every engine at once and waits until all are healthy (on failure, stops them all).
+    An engine that lost one of the ports it picked starts again on new ones."""
     try:
         for w in workers:
             w.spawn(log_dir)
         for w in workers:
-            w.wait_ready(timeout=max(1.0, timeout - (time.time() - w.spawned_at)))
+            for attempt in range(attempts):
+                try:
+                    w.wait_ready(timeout=max(1.0, timeout - (time.time() - w.spawned_at)))
+                    break
+                except RuntimeError:
+                    if attempt + 1 == attempts or not w.lost_a_port() or not w.pick_ports_again():
+                        raise
+                    w.stop()
+                    w.spawn(log_dir)
     except BaseException:
         for w in workers:
             w.stop()
@@ -835,10 +883,14 @@ def vllm_fleet(n: int = 3, kv_blocks: int = 128, kv_events: bool = False, ports:
     out = []
     for i in range(n):
         pub, replay = (event_ports[i] if i < len(event_ports) else (0, 0)) if kv_events else (0, 0)
+        w = VllmWorker(f"vllm-{i + 1}", port=ports[i] if i < len(ports) else 0, kv_blocks=kv_blocks,
+                       core=i % cores, kv_events=pub, kv_replay=replay, max_model_len=max_model_len)
         if kv_events:
-            pub, replay = pub or free_port(), replay or free_port()
-        out.append(VllmWorker(f"vllm-{i + 1}", port=ports[i] if i < len(ports) else 0, kv_blocks=kv_blocks,
-                              core=i % cores, kv_events=pub, kv_replay=replay, max_model_len=max_model_len))
+            for attr in ("kv_events", "kv_replay"):
+                if not getattr(w, attr):
+                    setattr(w, attr, engine_port())
+                    w.picked.add(attr)
+        out.append(w)
     return out
 
 
