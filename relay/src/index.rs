@@ -5,6 +5,19 @@ use crate::decode::{Event, Stored};
 use hashbrown::{HashMap, HashTable};
 use kvroute::hashing::{chain_seed, token_block_hash};
 
+/// Deepest depth an entry records (24 bits; the other 8 of its word count copies). A held
+/// chain is never longer than the table's bound, so only tables of more than 16 M blocks
+/// could reach it; past it, depths saturate and only the snapshot's order within those
+/// depths suffers.
+pub const MAX_DEPTH: u32 = (1 << 24) - 1;
+
+/// Most copies of one engine block an entry counts (8 bits). vLLM keeps a second physical
+/// copy of a block it recomputed (a prompt cached up to its last token, a multiple of the
+/// block size long), each with its own `BlockStored` and `BlockRemoved`. Past this the count
+/// stays put while stores go on, so a block with more copies is announced removed after
+/// this many removals: an under-count, never a claim of a block the engine no longer holds.
+pub const MAX_COPIES: u32 = u8::MAX as u32;
+
 /// One indexed block, 32 bytes (u32 words keep the alignment at 4, so no padding).
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -12,19 +25,53 @@ struct Entry {
     kvroute: [u32; 2],
     /// The parent's engine hash (unused at depth 0): storing a child refreshes its ancestors.
     parent: [u32; 2],
-    /// Blocks before this one in its chain: the snapshot lists parents before children by
-    /// sorting on it.
-    depth: u32,
+    /// Low 24 bits: blocks before this one in its chain (the snapshot lists parents before
+    /// children by sorting on it). High 8 bits: copies of the block the engine holds (the
+    /// count rides in this word so an entry stays 32 bytes).
+    level: u32,
     /// Recency generation: an ancestor's is never below its descendants' (see `evict`).
     gen: u32,
 }
 
 impl Entry {
+    fn depth(&self) -> u32 {
+        self.level & MAX_DEPTH
+    }
+
+    fn copies(&self) -> u32 {
+        self.level >> 24
+    }
+
+    fn set_copies(&mut self, n: u32) {
+        self.level = self.depth() | (n.min(MAX_COPIES) << 24);
+    }
+
     /// Eviction order, smallest first: older generations, and within one the deepest blocks
     /// (children before their parents), so eviction never leaves a child without its parent.
     fn evict_key(&self) -> u64 {
-        (u64::from(self.gen) << 32) | u64::from(u32::MAX - self.depth)
+        (u64::from(self.gen) << 32) | u64::from(u32::MAX - self.depth())
     }
+}
+
+/// How many held engine blocks re-key to one kvroute hash (more than one when the engine
+/// hashes more than the tokens: a cache salt, extra keys). The gateways are told the hash is
+/// removed only when the last of them goes.
+#[derive(Clone, Copy, Debug)]
+struct Holders {
+    kvroute: [u32; 2],
+    blocks: u32,
+}
+
+/// What removing one copy of an engine block did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// The index did not hold the block.
+    NotHeld,
+    /// Another copy of the block is still held.
+    CopyLeft,
+    /// The block's last copy went; `announce` when no other held block re-keys to its
+    /// kvroute hash either (the gateways must drop it).
+    Gone { kvroute: u64, announce: bool },
 }
 
 fn split(v: u64) -> [u32; 2] {
@@ -40,6 +87,22 @@ fn mix(k: u64) -> u64 {
     x ^ (x >> 29)
 }
 
+fn hold(holders: &mut HashTable<Holders>, kvroute: u64) {
+    let k = split(kvroute);
+    match holders.entry(mix(kvroute), |x| x.kvroute == k, |x| mix(join(x.kvroute))) {
+        hashbrown::hash_table::Entry::Occupied(mut o) => {
+            let h = o.get_mut();
+            h.blocks = h.blocks.saturating_add(1);
+        }
+        hashbrown::hash_table::Entry::Vacant(v) => {
+            v.insert(Holders {
+                kvroute: k,
+                blocks: 1,
+            });
+        }
+    }
+}
+
 /// Default bound of one engine's table when nothing sets it: 2 x 131072 blocks (see
 /// `hub::Limits`), a few MiB.
 pub const DEFAULT_MAX_BLOCKS: usize = 2 * 131_072;
@@ -49,6 +112,8 @@ pub const DEFAULT_MAX_BLOCKS: usize = 2 * 131_072;
 /// publisher) cannot grow the relay without bound.
 pub struct BlockTable {
     table: HashTable<Entry>,
+    /// Kvroute hash -> engine blocks holding it, for every held block.
+    holders: HashTable<Holders>,
     max: usize,
     /// Current recency generation; bumped every `max / 16` inserts.
     gen: u32,
@@ -66,6 +131,7 @@ impl BlockTable {
     pub fn with_max(max: usize) -> Self {
         BlockTable {
             table: HashTable::new(),
+            holders: HashTable::new(),
             max: max.max(16),
             gen: 0,
             inserts_in_gen: 0,
@@ -86,14 +152,51 @@ impl BlockTable {
 
     /// Heap bytes held by the table.
     pub fn bytes(&self) -> usize {
-        self.table.allocation_size()
+        self.table.allocation_size() + self.holders.allocation_size()
     }
 
     pub fn get(&self, engine: u64) -> Option<(u64, u32)> {
         let e = split(engine);
         self.table
             .find(mix(engine), |x| x.engine == e)
-            .map(|x| (join(x.kvroute), x.depth))
+            .map(|x| (join(x.kvroute), x.depth()))
+    }
+
+    /// Copies of `engine` held (0 when not held).
+    pub fn copies(&self, engine: u64) -> u32 {
+        let e = split(engine);
+        self.table
+            .find(mix(engine), |x| x.engine == e)
+            .map_or(0, Entry::copies)
+    }
+
+    /// Held engine blocks that re-key to `kvroute`.
+    pub fn holders(&self, kvroute: u64) -> u32 {
+        let k = split(kvroute);
+        self.holders
+            .find(mix(kvroute), |x| x.kvroute == k)
+            .map_or(0, |x| x.blocks)
+    }
+
+    fn hold(&mut self, kvroute: u64) {
+        hold(&mut self.holders, kvroute);
+    }
+
+    /// One block holding `kvroute` went; true when it was the last.
+    fn release(&mut self, kvroute: u64) -> bool {
+        let k = split(kvroute);
+        match self.holders.find_entry(mix(kvroute), |x| x.kvroute == k) {
+            Ok(mut o) if o.get().blocks > 1 => {
+                o.get_mut().blocks -= 1;
+                false
+            }
+            Ok(o) => {
+                o.remove();
+                true
+            }
+            // Not counted (cannot happen: every entry holds its hash): nothing else holds it.
+            Err(_) => true,
+        }
     }
 
     /// Inserts a root-level entry (no parent link); see [`BlockTable::insert_under`].
@@ -101,10 +204,12 @@ impl BlockTable {
         let _ = self.insert_under(engine, kvroute, depth, None);
     }
 
-    /// Inserts (or replaces) a block whose parent's engine hash is `parent`. The caller
-    /// makes room first (`is_full` / `evict`): the table never grows past `max` through
-    /// [`EngineIndex`], which evicts before inserting.
-    /// Returns the kvroute hash the block had before, if it was held.
+    /// Inserts a block whose parent's engine hash is `parent`, or counts one more copy of it
+    /// when it is held under the same kvroute hash; one held under another kvroute hash (the
+    /// engine hash stored again under another chain) is replaced, its copies forgotten. The
+    /// caller makes room first (`is_full` / `evict`): the table never grows past `max`
+    /// through [`EngineIndex`], which evicts before inserting.
+    /// Returns a kvroute hash no held block has any more (the replaced one's).
     pub fn insert_under(
         &mut self,
         engine: u64,
@@ -113,26 +218,34 @@ impl BlockTable {
         parent: Option<u64>,
     ) -> Option<u64> {
         let e = split(engine);
-        let entry = Entry {
+        let mut entry = Entry {
             engine: e,
             kvroute: split(kvroute),
             parent: split(parent.unwrap_or(0)),
-            depth,
+            level: depth.min(MAX_DEPTH),
             gen: self.gen,
         };
+        entry.set_copies(1);
         match self
             .table
             .entry(mix(engine), |x| x.engine == e, |x| mix(join(x.engine)))
         {
             hashbrown::hash_table::Entry::Occupied(mut o) => {
                 let before = join(o.get().kvroute);
+                if before == kvroute {
+                    entry.set_copies(o.get().copies().saturating_add(1));
+                    *o.get_mut() = entry;
+                    return None;
+                }
                 *o.get_mut() = entry;
-                return Some(before);
+                self.hold(kvroute);
+                return self.release(before).then_some(before);
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(entry);
             }
         }
+        self.hold(kvroute);
         self.inserts_in_gen += 1;
         if self.inserts_in_gen >= (self.max / 16).max(1) {
             self.inserts_in_gen = 0;
@@ -158,7 +271,7 @@ impl BlockTable {
             }
             left -= 1;
             x.gen = gen;
-            if x.depth > 0 {
+            if x.depth() > 0 {
                 cur = Some(join(x.parent));
             }
         }
@@ -171,7 +284,7 @@ impl BlockTable {
             .iter()
             .filter(|x| {
                 let p = join(x.parent);
-                x.depth > 0 && self.table.find(mix(p), |y| join(y.engine) == p).is_none()
+                x.depth() > 0 && self.table.find(mix(p), |y| join(y.engine) == p).is_none()
             })
             .count()
     }
@@ -181,8 +294,9 @@ impl BlockTable {
     }
 
     /// Evicts down to 7/8 of `max` (so eviction runs once per `max / 8` inserts, not per
-    /// insert): least recently used chains first, children before their parents. Calls
-    /// `gone` with each evicted block's kvroute hash.
+    /// insert): least recently used chains first, children before their parents, each
+    /// evicted block with all its copies. Calls `gone` with each kvroute hash no kept block
+    /// has; returns the blocks evicted.
     pub fn evict(&mut self, mut gone: impl FnMut(u64)) -> usize {
         let keep = self.max - self.max / 8;
         let n = self.table.len().saturating_sub(keep);
@@ -199,31 +313,53 @@ impl BlockTable {
         // Into a fresh table sized for `max`: erasing in place would leave tombstones, and a
         // table of tombstones grows (to 4x the entries, measured) instead of reusing them.
         let mut kept = HashTable::with_capacity(self.max.min(self.table.len()));
+        let mut evicted = Vec::with_capacity(n);
         for x in self.table.drain() {
             let k = x.evict_key();
             if k < threshold || (k == threshold && ties > 0) {
                 if k == threshold {
                     ties -= 1;
                 }
-                gone(join(x.kvroute));
+                evicted.push(join(x.kvroute));
             } else {
                 kept.insert_unique(mix(join(x.engine)), x, |y| mix(join(y.engine)));
             }
         }
         self.table = kept;
+        // The holder counts are rebuilt from what stays, for the same reason (tombstones).
+        self.holders = HashTable::with_capacity(self.table.len());
+        for x in self.table.iter() {
+            hold(&mut self.holders, join(x.kvroute));
+        }
+        for kv in evicted {
+            if self.holders(kv) == 0 {
+                gone(kv);
+            }
+        }
         n
     }
 
-    pub fn remove(&mut self, engine: u64) -> Option<u64> {
+    /// Removes one copy of `engine` (one `BlockRemoved`).
+    pub fn remove(&mut self, engine: u64) -> Removal {
         let e = split(engine);
-        match self.table.find_entry(mix(engine), |x| x.engine == e) {
-            Ok(o) => Some(join(o.remove().0.kvroute)),
-            Err(_) => None,
+        let kvroute = match self.table.find_entry(mix(engine), |x| x.engine == e) {
+            Ok(mut o) if o.get().copies() > 1 => {
+                let x = o.get_mut();
+                x.set_copies(x.copies() - 1);
+                return Removal::CopyLeft;
+            }
+            Ok(o) => join(o.remove().0.kvroute),
+            Err(_) => return Removal::NotHeld,
+        };
+        Removal::Gone {
+            kvroute,
+            announce: self.release(kvroute),
         }
     }
 
     pub fn clear(&mut self) {
         self.table = HashTable::new();
+        self.holders = HashTable::new();
     }
 
     /// Every held kvroute hash, parents before children.
@@ -231,19 +367,21 @@ impl BlockTable {
         self.snapshot_at_most(usize::MAX)
     }
 
-    /// The `limit` shallowest held kvroute hashes, parents before children: a cut keeps
-    /// whole prefixes (what a prefix match can use).
+    /// The `limit` shallowest held kvroute hashes, parents before children, each once
+    /// (blocks that re-key to one hash have one depth): a cut keeps whole prefixes (what a
+    /// prefix match can use).
     pub fn snapshot_at_most(&self, limit: usize) -> Vec<u64> {
         let mut v: Vec<(u32, u64)> = self
             .table
             .iter()
-            .map(|x| (x.depth, join(x.kvroute)))
+            .map(|x| (x.depth(), join(x.kvroute)))
             .collect();
         if limit < v.len() {
             v.select_nth_unstable_by_key(limit, |x| x.0);
             v.truncate(limit);
         }
-        v.sort_unstable_by_key(|x| x.0);
+        v.sort_unstable();
+        v.dedup();
         v.into_iter().map(|x| x.1).collect()
     }
 }
@@ -400,9 +538,15 @@ impl EngineIndex {
             Event::Cleared => self.clear(out),
             Event::Removed(hashes) => {
                 for h in hashes {
-                    if let Some(kv) = self.blocks.remove(*h) {
-                        out.remove(kv);
-                        c.blocks_removed += 1;
+                    match self.blocks.remove(*h) {
+                        Removal::NotHeld => {}
+                        Removal::CopyLeft => c.blocks_removed += 1,
+                        Removal::Gone { kvroute, announce } => {
+                            if announce {
+                                out.remove(kvroute);
+                            }
+                            c.blocks_removed += 1;
+                        }
                     }
                 }
             }
@@ -458,11 +602,10 @@ impl EngineIndex {
             }
             let kv = token_block_hash(parent, tokens, seed);
             // An engine hash stored again under other tokens or another parent: the
-            // gateways must drop the hash they were told before.
+            // gateways must drop the hash they were told before (unless another block
+            // still holds it).
             if let Some(before) = self.blocks.insert_under(*h, kv, depth, parent_engine) {
-                if before != kv {
-                    out.remove(before);
-                }
+                out.remove(before);
             }
             out.store(kv);
             c.blocks_stored += 1;
