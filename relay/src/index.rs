@@ -53,13 +53,68 @@ impl Entry {
     }
 }
 
-/// How many held engine blocks re-key to one kvroute hash (more than one when the engine
-/// hashes more than the tokens: a cache salt, extra keys). The gateways are told the hash is
-/// removed only when the last of them goes.
-#[derive(Clone, Copy, Debug)]
-struct Holders {
-    kvroute: [u32; 2],
-    blocks: u32,
+/// Which kvroute hashes held blocks re-key to, and how many blocks hold each where more
+/// than one do (the engine hashes more than the tokens: a cache salt, extra keys). The
+/// gateways are told a hash is removed only when its last holder goes. Shared hashes are
+/// rare, so they are counted in a side map and the common case costs 8 bytes a slot.
+#[derive(Default)]
+struct KvHolders {
+    held: HashTable<[u32; 2]>,
+    /// Kvroute hash -> holders, for hashes with two or more.
+    shared: HashMap<u64, u32>,
+}
+
+impl KvHolders {
+    fn count(&self, kvroute: u64) -> u32 {
+        let k = split(kvroute);
+        match self.held.find(mix(kvroute), |x| *x == k) {
+            None => 0,
+            Some(_) => self.shared.get(&kvroute).copied().unwrap_or(1),
+        }
+    }
+
+    fn hold(&mut self, kvroute: u64) {
+        let k = split(kvroute);
+        match self
+            .held
+            .entry(mix(kvroute), |x| *x == k, |x| mix(join(*x)))
+        {
+            hashbrown::hash_table::Entry::Occupied(_) => {
+                let n = self.shared.entry(kvroute).or_insert(1);
+                *n = n.saturating_add(1);
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(k);
+            }
+        }
+    }
+
+    /// One block holding `kvroute` went; true when it was the last.
+    fn release(&mut self, kvroute: u64) -> bool {
+        if let Some(n) = self.shared.get_mut(&kvroute) {
+            *n -= 1;
+            if *n <= 1 {
+                self.shared.remove(&kvroute);
+            }
+            return false;
+        }
+        let k = split(kvroute);
+        if let Ok(o) = self.held.find_entry(mix(kvroute), |x| *x == k) {
+            o.remove();
+        }
+        true
+    }
+
+    /// Forgets every hash; `clear` keeps the allocation and drops the tombstones erasing
+    /// leaves.
+    fn clear(&mut self) {
+        self.held.clear();
+        self.shared = HashMap::new();
+    }
+
+    fn bytes(&self) -> usize {
+        self.held.allocation_size() + self.shared.allocation_size()
+    }
 }
 
 /// What removing one copy of an engine block did.
@@ -87,22 +142,6 @@ fn mix(k: u64) -> u64 {
     x ^ (x >> 29)
 }
 
-fn hold(holders: &mut HashTable<Holders>, kvroute: u64) {
-    let k = split(kvroute);
-    match holders.entry(mix(kvroute), |x| x.kvroute == k, |x| mix(join(x.kvroute))) {
-        hashbrown::hash_table::Entry::Occupied(mut o) => {
-            let h = o.get_mut();
-            h.blocks = h.blocks.saturating_add(1);
-        }
-        hashbrown::hash_table::Entry::Vacant(v) => {
-            v.insert(Holders {
-                kvroute: k,
-                blocks: 1,
-            });
-        }
-    }
-}
-
 /// Default bound of one engine's table when nothing sets it: 2 x 131072 blocks (see
 /// `hub::Limits`), a few MiB.
 pub const DEFAULT_MAX_BLOCKS: usize = 2 * 131_072;
@@ -112,8 +151,8 @@ pub const DEFAULT_MAX_BLOCKS: usize = 2 * 131_072;
 /// publisher) cannot grow the relay without bound.
 pub struct BlockTable {
     table: HashTable<Entry>,
-    /// Kvroute hash -> engine blocks holding it, for every held block.
-    holders: HashTable<Holders>,
+    /// Kvroute hashes of the held blocks.
+    holders: KvHolders,
     max: usize,
     /// Current recency generation; bumped every `max / 16` inserts.
     gen: u32,
@@ -131,7 +170,7 @@ impl BlockTable {
     pub fn with_max(max: usize) -> Self {
         BlockTable {
             table: HashTable::new(),
-            holders: HashTable::new(),
+            holders: KvHolders::default(),
             max: max.max(16),
             gen: 0,
             inserts_in_gen: 0,
@@ -152,7 +191,7 @@ impl BlockTable {
 
     /// Heap bytes held by the table.
     pub fn bytes(&self) -> usize {
-        self.table.allocation_size() + self.holders.allocation_size()
+        self.table.allocation_size() + self.holders.bytes()
     }
 
     pub fn get(&self, engine: u64) -> Option<(u64, u32)> {
@@ -172,31 +211,15 @@ impl BlockTable {
 
     /// Held engine blocks that re-key to `kvroute`.
     pub fn holders(&self, kvroute: u64) -> u32 {
-        let k = split(kvroute);
-        self.holders
-            .find(mix(kvroute), |x| x.kvroute == k)
-            .map_or(0, |x| x.blocks)
+        self.holders.count(kvroute)
     }
 
     fn hold(&mut self, kvroute: u64) {
-        hold(&mut self.holders, kvroute);
+        self.holders.hold(kvroute);
     }
 
-    /// One block holding `kvroute` went; true when it was the last.
     fn release(&mut self, kvroute: u64) -> bool {
-        let k = split(kvroute);
-        match self.holders.find_entry(mix(kvroute), |x| x.kvroute == k) {
-            Ok(mut o) if o.get().blocks > 1 => {
-                o.get_mut().blocks -= 1;
-                false
-            }
-            Ok(o) => {
-                o.remove();
-                true
-            }
-            // Not counted (cannot happen: every entry holds its hash): nothing else holds it.
-            Err(_) => true,
-        }
+        self.holders.release(kvroute)
     }
 
     /// Inserts a root-level entry (no parent link); see [`BlockTable::insert_under`].
@@ -326,10 +349,10 @@ impl BlockTable {
             }
         }
         self.table = kept;
-        // The holder counts are rebuilt from what stays, for the same reason (tombstones).
-        self.holders = HashTable::with_capacity(self.table.len());
+        // The holders are rebuilt from what stays (no tombstones either).
+        self.holders.clear();
         for x in self.table.iter() {
-            hold(&mut self.holders, join(x.kvroute));
+            self.holders.hold(join(x.kvroute));
         }
         for kv in evicted {
             if self.holders(kv) == 0 {
@@ -359,7 +382,7 @@ impl BlockTable {
 
     pub fn clear(&mut self) {
         self.table = HashTable::new();
-        self.holders = HashTable::new();
+        self.holders = KvHolders::default();
     }
 
     /// Every held kvroute hash, parents before children.
