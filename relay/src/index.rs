@@ -69,6 +69,7 @@ impl KvHolders {
         let k = split(kvroute);
         match self.held.find(mix(kvroute), |x| *x == k) {
             None => 0,
+            Some(_) if self.shared.is_empty() => 1,
             Some(_) => self.shared.get(&kvroute).copied().unwrap_or(1),
         }
     }
@@ -91,7 +92,11 @@ impl KvHolders {
 
     /// One block holding `kvroute` went; true when it was the last.
     fn release(&mut self, kvroute: u64) -> bool {
-        if let Some(n) = self.shared.get_mut(&kvroute) {
+        // Most tables share no hash: skip hashing the key into an empty map.
+        if let Some(n) = (!self.shared.is_empty())
+            .then(|| self.shared.get_mut(&kvroute))
+            .flatten()
+        {
             *n -= 1;
             if *n <= 1 {
                 self.shared.remove(&kvroute);
