@@ -144,6 +144,11 @@ def spread(vals, spec):
     return f"{format(m, spec)} [{format(min(vals), spec)}-{format(max(vals), spec)}]"
 
 
+def loadavg(c, when):
+    v = c.get(f"loadavg_{when}")
+    return "not recorded" if v is None else f"{v:.1f}"
+
+
 def markdown(res):
     c = res["config"]
     L = [f"# kvroute on real vLLM: {res['name']}", "",
@@ -153,8 +158,10 @@ def markdown(res):
          f"tokens, one of them vLLM's null block), prefix caching, started in {c['engine_start_s']:.0f} s  ",
          f"Workload: loadgen synthetic chats, seed {c['seed']}, `{' '.join(WORKLOAD)}`, load = new chats per "
          f"second for {c['window_s']:g} s; caches emptied before every run  ",
-         "Under CPU contention: 3 engines, Envoy or the peer router and loadgen share 2 cores with other "
-         "jobs of the machine; times are wall seconds.", "",
+         f"Machine: {os.cpu_count()} cores shared by the engines (bound round-robin, so engines 1 and 3 share "
+         f"core 0 on 2 cores), Envoy or the peer router and loadgen; 1-minute load average at the start "
+         f"(before the engines) / end: {loadavg(c, 'start')} / {loadavg(c, 'end')}; "
+         f"{c.get('machine_note', 'no other job is known to have run')}; times are wall seconds.", "",
          "Each cell: mean of the repeats [min-max]. Hit rate: the engines' own (vllm:prefix_cache_hits / "
          "queries over the run). TTFT: client-side, streaming. Failed: requests without a 200 and a "
          "complete stream. max/mean per engine: the busiest engine's finished requests over the mean "
@@ -210,6 +217,9 @@ def main():
     # run.py's helpers name the model in the ready check and the relay's --model.
     run.MODEL = kvstack.VLLM_MODEL
     t_start = time.time()
+    # The table states the machine's load: on 2 cores a neighbour's build moves TTFT more
+    # than any router does.
+    loadavg_start = os.getloadavg()[0]
     engines = kvstack.vllm_fleet(3, kv_blocks=a.kv_blocks,
                                  kv_events=any(VARIANTS.get(p, (p,))[0] in run.EVENT_POLICIES for p in policies))
     logdir = tempfile.mkdtemp(prefix="kvroute-bench-vllm-")
@@ -226,7 +236,8 @@ def main():
         ws = [dict(name=w.name, port=w.port, url=f"http://127.0.0.1:{w.port}", role="both",
                    kv_events=w.kv_events, kv_replay=w.kv_replay) for w in engines]
         res["config"] = dict(engines=len(engines), kv_blocks=a.kv_blocks, seed=a.seed, loads=loads,
-                             repeats=a.repeats, window_s=a.window_s, engine_start_s=start_s)
+                             repeats=a.repeats, window_s=a.window_s, engine_start_s=start_s,
+                             loadavg_start=loadavg_start)
         for rep in range(1, a.repeats + 1):
             for load in loads:
                 for pol in policies:
@@ -243,6 +254,8 @@ def main():
         for w in engines:
             w.stop()
     res["wall_s"] = time.time() - t_start
+    if "config" in res:
+        res["config"]["loadavg_end"] = os.getloadavg()[0]
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = markdown(res)
