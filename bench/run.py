@@ -36,6 +36,7 @@ from kvstack import free_port, prom_samples  # noqa: E402  (free_port: one port 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenarios  # noqa: E402  (the scenario table)
+import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
@@ -139,6 +140,8 @@ COMMON = dict(
     # The oracle is the best, load by load (lowest p90 TTFT), of these (prefill_scale,
     # held_weight) settings: its envelope.
     oracle_settings=[[1.0, 0.005], [1.0, 0.02], [1.0, 0.08]],
+    # The dynamo-*-tuned policies' DYN_ROUTER_PREFILL_LOAD_SCALE (None: peers_dynamo.TUNED_SCALE).
+    dynamo_tuned_scale=None,
 )
 # quick: each scenario's first two loads (round-robin near half of its saturation and near it);
 # full: all three. The workload, its seeds or trace slices and the loads come from
@@ -155,7 +158,7 @@ PRESETS = {
 POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
             "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "envoy-steer-rr", "envoy-steer-rr-buffered", "sglang-cache-aware",
-            "vllm-router-cache-aware", "oracle"]
+            "vllm-router-cache-aware", "oracle"] + peers_dynamo.POLICIES
 # Run when --policies is not given (the others stay runnable by --policies). kvroute-tokenize and
 # kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
 # kvroute-tuned), they add two runs per load to make bench's 40-minute budget, and
@@ -307,10 +310,11 @@ class Procs:
     live = []
 
     @classmethod
-    def start(cls, argv, logpath):
+    def start(cls, argv, logpath, env=None):
+        """env: variables added to this environment's."""
         f = open(logpath, "ab")
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, env=dict(os.environ, **env) if env else None)
         f.close()
         cls.live.append(p)
         return p
@@ -778,8 +782,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     precise = None
     sharing = None
     try:
-        ws = start_fleet(cfg, cell, kv_events=events)
+        ws = start_fleet(cfg, cell, kv_events=events or peers_dynamo.wants_events(policy))
         procs = [w["proc"] for w in ws]
+        cpu_parts = {}  # issue 43's peers: the router proper and our glue, measured apart
         nats = None
         if share:
             np_, nats = start_nats(cell)
@@ -811,6 +816,10 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                         extra["relay"] = {"cluster": envoyconf.RELAY_CLUSTER, "share_decisions": share}
                     p, url, admin = start_envoy(cfg, policy, ws, gdir, extra, relay_port)
                     admins.append(admin)
+                elif policy in peers_dynamo.POLICIES:
+                    ps, url, cpu_parts = peers_dynamo.start(sys.modules[__name__], cfg, policy, ws, gdir)
+                    procs += ps[:-1]
+                    p = ps[-1]
                 else:
                     p, url = start_peer(cfg, policy, ws, gdir)
                 procs.append(p)
@@ -838,6 +847,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         fleet_procs = [w["proc"] for w in ws]
         router_procs = [p for p in procs if all(p is not w for w in fleet_procs)]
         cpu0 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
+        parts0 = {k: proc_cpu_s(v) for k, v in cpu_parts.items()}
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
             if use_relay:
                 # The streams' liveness sampled through the run, the least live gateway's (a
@@ -857,6 +867,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
         cpu1 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
+        parts1 = {k: proc_cpu_s(v) for k, v in cpu_parts.items()}
         for i, a in enumerate(admins):
             # Every Envoy stat at the end of the run (kvroute's route time, replication,
             # fallbacks...), for whoever reads the raw folder.
@@ -871,6 +882,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         if policy != "oracle":
             s["router_cpu_s"] = round(cpu1[0] - cpu0[0], 3)
             s["router_cpu_ms_per_request"] = round(1e3 * s["router_cpu_s"] / max(1, s["requests"]), 3)
+            if cpu_parts:
+                s["cpu_parts_ms_per_request"] = {k: round(1e3 * (parts1[k] - parts0[k]) / max(1, s["requests"]), 3)
+                                                 for k in cpu_parts}
         s["fleet_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
         if precise is not None:
             # What the filter did with tokenization and the relay stream, and (precise) the
@@ -930,7 +944,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
             f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, "
             + (f"handed off {s['handed_off']}/{s.get('ok', '?')}, " if s.get("handed_off") else "")
-            + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request, " if "router_cpu_s" in s else "")
+            + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request"
+               + "".join(f" ({k} {v:.2f})" for k, v in s.get("cpu_parts_ms_per_request", {}).items())
+               + ", " if "router_cpu_s" in s else "")
             + f"{s['wall_s']:.0f} s wall"
             + ("" if precise is None else " | " + precise_text(precise))
             + ("" if sharing is None else " | " + sharing_text(sharing)))
@@ -1021,6 +1037,8 @@ def run_overhead(cfg, rawdir, have_kvroute):
         targets = {"direct": ws[0]["url"]}
         p, url, _ = start_envoy(cfg, "envoy-round-robin", ws, os.path.join(cell))
         targets["envoy"] = url
+        # Whose CPU is read per request: each path's Envoy (and the ext_proc picker).
+        cpu_procs = {"envoy": [p]}
         if have_kvroute:
             kdir = os.path.join(cell, "kvroute")
             os.makedirs(kdir, exist_ok=True)
@@ -1029,23 +1047,40 @@ def run_overhead(cfg, rawdir, have_kvroute):
                 p2, url2, admin2 = start_envoy(dict(cfg, kv_blocks=16384), "kvroute", ws, kdir)
                 check_routes(url2, [p2], "kvroute", [admin2])
                 targets["envoy+kvroute"] = url2
+                cpu_procs["envoy+kvroute"] = [p2]
                 # For its first 10 s every kvroute VM takes replication messages at once
                 # (STARTUP_URGENT_MS in src/filter/state.rs); measure the steady state after it.
                 time.sleep(max(0.0, t_kv + 11 - time.time()))
             except Exception as e:
                 out["kvroute_error"] = str(e)
                 log(f"overhead: kvroute could not run: {e}")
+        try:
+            p3, picker, url3 = peers_dynamo.start_extproc(sys.modules[__name__], envoyconf, cfg, ws,
+                                                          os.path.join(cell, "extproc"))
+            check_routes(url3, [p3, picker], "envoy+extproc")
+            targets["envoy+extproc"] = url3
+            cpu_procs["envoy+extproc"] = [p3]
+            cpu_procs["extproc picker"] = [picker]
+        except Exception as e:
+            out["extproc_error"] = str(e)
+            log(f"overhead: the ext_proc floor could not run: {e}")
         names = list(targets)
         res = {name: {} for name in names}
         # Latency: all paths measured interleaved, request by request (each path gets the same
         # prompts in the same order), per prompt size and kind.
         by_url = {u: k for k, u in targets.items()}
+        out["cpu_ms_per_request"] = cpu = {k: {} for k in cpu_procs}
         for n, reqs in zip(OVERHEAD_SIZES, cfg["overhead_requests"]):
             d = os.path.join(cell, f"lat{n}")
+            c0 = {k: proc_cpu_s(v) for k, v in cpu_procs.items()}
             subprocess.run([LOADGEN, "--mode", "latency", "--target", ",".join(targets[k] for k in names),
                             "--prompt-tokens", str(n), "--prompts", ",".join(OVERHEAD_PROMPTS),
                             "--requests", str(reqs), "--concurrency", "1", "--model", MODEL, "--out", d],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            # Per path: its requests of every prompt kind plus loadgen's 5 warm-up requests each.
+            per_path = len(OVERHEAD_PROMPTS) * (reqs + 5)
+            for k, v in cpu_procs.items():
+                cpu[k][str(n)] = round(1e3 * (proc_cpu_s(v) - c0[k]) / per_path, 4)
             with open(os.path.join(d, "summary.json")) as f:
                 for r in json.load(f)["results"]:
                     res[by_url[r["target"]]][f"{r['prompt_kind']}{n}"] = r
@@ -2021,8 +2056,43 @@ def overhead_markdown(ov):
             L.append("| kvroute adds | " + " | ".join(
                 f"{a[k]['p50_ms'] - b[k]['p50_ms']:+.3f} / {a[k]['p99_ms'] - b[k]['p99_ms']:+.3f}"
                 for k, _, _ in overhead_cells()) + " | |")
-        if ov.get("kvroute_error"):
-            L.append(f"\nkvroute could not run here: {ov['kvroute_error']}")
+        if "envoy+extproc" in ov["targets"]:
+            a, b = ov["targets"]["envoy+extproc"], ov["targets"]["envoy"]
+            L.append("| ext_proc floor adds | " + " | ".join(
+                f"{a[k]['p50_ms'] - b[k]['p50_ms']:+.3f} / {a[k]['p99_ms'] - b[k]['p99_ms']:+.3f}"
+                for k, _, _ in overhead_cells()) + " | |")
+        L += extproc_ratio_markdown(ov)
+        for what in ("kvroute", "extproc"):
+            if ov.get(f"{what}_error"):
+                L.append(f"\n{what} could not run here: {ov[f'{what}_error']}")
+    return L
+
+
+def extproc_ratio_markdown(ov):
+    """kvroute against the ext_proc floor, per prompt size: the p50 each adds to Envoy alone
+    (warm prompts), the Envoy CPU per request of each path and the picker's own, and the
+    ratios (floor / kvroute)."""
+    t, cpu = ov["targets"], ov.get("cpu_ms_per_request") or {}
+    if "envoy+extproc" not in t or "envoy+kvroute" not in t:
+        return []
+    L = ["", "kvroute in Envoy against the ext_proc floor (Envoy's ext_proc filter, BUFFERED body, calling a "
+         "minimal gRPC endpoint picker on this machine: relay/examples/extproc_picker.rs), warm prompts; "
+         "CPU is user+system of each process over the run, per request:", "",
+         "| prompt | kvroute adds p50 ms | floor adds p50 ms | latency ratio | Envoy CPU ms/req: alone / kvroute / "
+         "ext_proc + picker | CPU ratio (floor / kvroute) |", "|---|---|---|---|---|---|"]
+    for n in OVERHEAD_SIZES:
+        k = f"warm{n}"
+        if k not in t["envoy"]:
+            continue
+        kv = t["envoy+kvroute"][k]["p50_ms"] - t["envoy"][k]["p50_ms"]
+        ep = t["envoy+extproc"][k]["p50_ms"] - t["envoy"][k]["p50_ms"]
+        c = {name: (cpu.get(name) or {}).get(str(n)) for name in ("envoy", "envoy+kvroute", "envoy+extproc",
+                                                                   "extproc picker")}
+        floor = None if c["envoy+extproc"] is None else c["envoy+extproc"] + (c["extproc picker"] or 0.0)
+        lat_ratio = f"{ep / kv:.1f}x" if kv > 0 else "-"
+        cpu_ratio = f"{floor / c['envoy+kvroute']:.1f}x" if floor and c["envoy+kvroute"] else "-"
+        L.append(f"| {n // 1000}k | {kv:+.3f} | {ep:+.3f} | {lat_ratio} | {fmt(c['envoy'])} / "
+                 f"{fmt(c['envoy+kvroute'])} / {fmt(c['envoy+extproc'])} + {fmt(c['extproc picker'])} | {cpu_ratio} |")
     return L
 
 

@@ -15,6 +15,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_ARGS ?=
 SGLANG_ROUTER_VERSION ?= 0.3.2
 VLLM_ROUTER_VERSION ?= 0.1.17
+DYNAMO_VERSION ?= 1.6.1
 
 # matplotlib for the plots, apart from the project venv.
 $(BENCH_VENV)/.installed:
@@ -32,10 +33,22 @@ build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION):
 	-python3 -m venv build/vllmr-venv && build/vllmr-venv/bin/pip install -q \
 		--disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION) && touch $@
 
+# Dynamo's KV router (its selection service, in ai-dynamo-runtime) with aiohttp for our glue
+# in front of it (bench/dynamo_glue.py): the dynamo-* policies (bench/peers_dynamo.py).
+build/dynamo-venv/.installed-$(DYNAMO_VERSION):
+	-python3 -m venv build/dynamo-venv && build/dynamo-venv/bin/pip install -q \
+		--disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION) aiohttp && touch $@
+
+# The ext_proc floor of the overhead step: a minimal gRPC endpoint picker for Envoy's ext_proc.
+.PHONY: extproc-picker
+extproc-picker:
+	cargo build --profile relay -p kvroute-relay --example extproc_picker
+
 .PHONY: bench-deps
 bench-deps: venv $(BENCH_VENV)/.installed build/sglang-venv/.installed-$(SGLANG_ROUTER_VERSION) \
-		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION)
+		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION) build/dynamo-venv/.installed-$(DYNAMO_VERSION)
 	cargo build --release -p mock-worker -p loadgen
+	@$(MAKE) --no-print-directory extproc-picker || echo "bench: the ext_proc picker did not build; the overhead step will report it as not run"
 	@$(MAKE) --no-print-directory wasm || echo "bench: make wasm failed; the kvroute policies will be reported as not run"
 
 .PHONY: bench
@@ -57,10 +70,11 @@ bench-scenarios: bench-deps
 bench-quick: bench-scenarios
 
 # Only the proxy-overhead step (about a minute): latency direct, through Envoy, through Envoy
-# with kvroute, warm and cold prompts of 1k-128k tokens, interleaved; results in
-# bench/results/overhead/. No peer routers needed.
+# with kvroute, through Envoy's ext_proc filter calling a minimal endpoint picker (the ext_proc
+# floor), warm and cold prompts of 1k-128k tokens, interleaved, with each Envoy's CPU per
+# request; results in bench/results/overhead/. No peer routers needed.
 .PHONY: overhead
-overhead: venv $(BENCH_VENV)/.installed
+overhead: venv $(BENCH_VENV)/.installed extproc-picker
 	cargo build --release -p mock-worker -p loadgen
 	@$(MAKE) --no-print-directory wasm
 	$(BENCH_PY) bench/run.py --preset quick --only-overhead --name overhead $(BENCH_ARGS)
