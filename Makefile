@@ -138,7 +138,7 @@ _test_wasm:
 		--target wasm32-unknown-unknown $(WASM_STD_FLAGS)
 
 .PHONY: test-e2e
-test-e2e: wasm mock-worker relay venv nats
+test-e2e: wasm mock-worker relay venv nats prometheus
 	$(PY) -m pytest tests/e2e -q
 
 # ---- lint gate: formatting, clippy with the no-panic lints (Cargo.toml [lints.clippy]) on

@@ -561,6 +561,17 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
 
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` token ids of a 32k vocabulary (no special ids), a deterministic function of `seed`
+    (distinct seeds share nothing)."""
+    x = seed * 2654435761 % (1 << 32) or 1
+    out = []
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(100 + x % 30000)
+    return out
+
+
 def text(seed: int, n_chars: int) -> str:
     """Deterministic English-like text of about n_chars characters."""
     x = seed * 2654435761 % 2**32 or 1

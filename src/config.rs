@@ -37,6 +37,7 @@ pub struct Config {
     #[serde(alias = "precise")]
     pub relay: RelayConfig,
     pub tokenize: TokenizeConfig,
+    pub status: StatusConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -62,6 +63,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             relay: RelayConfig::default(),
             tokenize: TokenizeConfig::default(),
+            status: StatusConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -512,6 +514,15 @@ impl Default for TokenizeConfig {
     }
 }
 
+/// The status page (`crate::status`): a GET to `path` on a listener running the filter is
+/// answered by the filter itself with a JSON page of the router's state, never routed.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StatusConfig {
+    /// Empty: off. Put it on an internal listener only (README, "Status page").
+    pub path: String,
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -749,6 +760,26 @@ impl Config {
         if t.max_bytes == 0 {
             return Err(err("tokenize.max_bytes", "must be at least 1"));
         }
+        let sp = &self.status.path;
+        if !sp.is_empty() {
+            if !sp.starts_with('/') || !is_header_value(sp) || sp.contains('?') {
+                return Err(err(
+                    "status.path",
+                    "must be a path starting with '/' (no query)",
+                ));
+            }
+            let canon = crate::steer::canonical_path(sp);
+            if let Some(r) = self
+                .routes
+                .iter()
+                .find(|r| crate::steer::canonical_path(r) == canon)
+            {
+                return Err(err(
+                    "status.path",
+                    format!("{sp:?} is also an inference route ({r:?} in routes)"),
+                ));
+            }
+        }
         let p = &self.relay;
         if !p.cluster.is_empty() && !is_header_value(&p.cluster) {
             return Err(err("relay.cluster", "must be an Envoy cluster name"));
@@ -947,6 +978,26 @@ mod tests {
         // The section's other name.
         let c = parse(r#"{"workers":[{"name":"a"}],"precise":{"cluster":"r"}}"#).unwrap();
         assert_eq!(c.relay.cluster, "r");
+    }
+
+    #[test]
+    fn status_section() {
+        let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
+        assert_eq!(c.status.path, "");
+        let c = parse(r#"{"workers":[{"name":"a"}],"status":{"path":"/kvroute/status"}}"#).unwrap();
+        assert_eq!(c.status.path, "/kvroute/status");
+        for json in [
+            r#"{"status":{"path":"status"}}"#,
+            r#"{"status":{"path":"/a b"}}"#,
+            r#"{"status":{"path":"/s?x=1"}}"#,
+            r#"{"status":{"path":"/v1/completions"}}"#,
+            r#"{"status":{"path":"/v1//completions/"}}"#,
+            r#"{"routes":["/x"],"status":{"path":"/x"}}"#,
+        ] {
+            let e = parse(&format!(r#"{{"workers":[{{"name":"a"}}],{}"#, &json[1..])).unwrap_err();
+            assert_eq!(e.field, "status.path", "{json}: {e}");
+        }
+        assert!(parse(r#"{"workers":[{"name":"a"}],"status":{"paht":"/s"}}"#).is_err());
     }
 
     #[test]

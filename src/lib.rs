@@ -21,6 +21,7 @@ pub mod rng;
 pub mod router;
 pub mod select;
 pub mod stall;
+pub mod status;
 pub mod steer;
 pub mod tokenize;
 

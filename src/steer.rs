@@ -28,6 +28,8 @@ pub struct Intercept {
     /// Configured routes in canonical form (see `canonical_path`).
     routes: Vec<(String, ApiKind)>,
     strip: Vec<String>,
+    /// The status page's path in canonical form (`status.path`), if it is on.
+    status: Option<String>,
 }
 
 /// An intercepted request: its API, and the `:path` to forward when the client's differs
@@ -66,7 +68,24 @@ impl Intercept {
                 strip.push(h.to_string());
             }
         }
-        Intercept { routes, strip }
+        let status = Some(&cfg.status.path)
+            .filter(|p| !p.is_empty())
+            .and_then(|p| canonical_path(p));
+        Intercept {
+            routes,
+            strip,
+            status,
+        }
+    }
+
+    /// The request is for the status page (any method: the filter answers it, a GET with the
+    /// page, others with 405; it never goes upstream).
+    pub fn is_status(&self, path: &str) -> bool {
+        let Some(status) = &self.status else {
+            return false;
+        };
+        let raw = path.split_once('?').map_or(path, |(p, _)| p);
+        canonical_path(raw).as_ref() == Some(status)
     }
 
     /// Headers a client must never send: they would choose the worker itself, or make a
@@ -316,6 +335,28 @@ mod tests {
                 "x-kvroute-kv-transfer"
             ]
         );
+    }
+
+    #[test]
+    fn status_page_path_matches_in_any_spelling_only_when_on() {
+        let off =
+            Intercept::from_config(&Config::from_json(br#"{"workers":[{"name":"a"}]}"#).unwrap());
+        assert!(!off.is_status("/"));
+        assert!(!off.is_status(""));
+        let cfg =
+            Config::from_json(br#"{"workers":[{"name":"a"}],"status":{"path":"/kvroute/status"}}"#)
+                .unwrap();
+        let i = Intercept::from_config(&cfg);
+        for p in [
+            "/kvroute/status",
+            "/kvroute/status/",
+            "//kvroute/%73tatus?x=1",
+        ] {
+            assert!(i.is_status(p), "{p}");
+        }
+        for p in ["/kvroute", "/kvroute/status/x", "/v1/completions", ""] {
+            assert!(!i.is_status(p), "{p}");
+        }
     }
 
     #[test]

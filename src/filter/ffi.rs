@@ -54,6 +54,7 @@ extern "C" {
     fn proxy_define_metric(kind: u32, name: *const u8, name_size: usize, ret_id: *mut u32) -> u32;
     fn proxy_increment_metric(id: u32, offset: i64) -> u32;
     fn proxy_record_metric(id: u32, value: u64) -> u32;
+    fn proxy_get_metric(id: u32, ret_value: *mut u64) -> u32;
     fn proxy_get_shared_data(
         key: *const u8,
         key_size: usize,
@@ -285,6 +286,14 @@ pub fn increment_metric(id: u32, n: i64) -> Result<(), Status> {
 pub fn record_metric(id: u32, v: u64) -> Result<(), Status> {
     // SAFETY: no pointers.
     status(unsafe { proxy_record_metric(id, v) })
+}
+
+/// A counter's or gauge's process-wide value (Envoy has none for histograms).
+pub fn get_metric(id: u32) -> Result<u64, Status> {
+    let mut v = 0u64;
+    // SAFETY: the out-pointer outlives the call.
+    status(unsafe { proxy_get_metric(id, &mut v) })?;
+    Ok(v)
 }
 
 /// The value and its CAS token (0 means none).

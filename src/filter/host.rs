@@ -27,6 +27,8 @@ pub trait Host {
     fn define_metric(&self, kind: MetricType, name: &str) -> HostResult<u32>;
     fn increment_metric(&self, id: u32, n: i64) -> HostResult<()>;
     fn record_metric(&self, id: u32, v: u64) -> HostResult<()>;
+    /// A counter's or gauge's value, summed over every VM of the process.
+    fn get_metric(&self, id: u32) -> HostResult<u64>;
     fn set_tick_period(&self, period: Duration) -> HostResult<()>;
     /// A call to an Envoy cluster; the answer arrives in `on_http_call_response` of the
     /// context that made it, with the returned token.
@@ -104,6 +106,10 @@ impl Host for ProxyHost {
 
     fn record_metric(&self, id: u32, v: u64) -> HostResult<()> {
         ffi::record_metric(id, v)
+    }
+
+    fn get_metric(&self, id: u32) -> HostResult<u64> {
+        ffi::get_metric(id)
     }
 
     fn set_tick_period(&self, period: Duration) -> HostResult<()> {
@@ -267,6 +273,10 @@ impl Calls {
 
     pub fn record_metric(&self, id: u32, v: u64) {
         self.ok(self.host.record_metric(id, v));
+    }
+
+    pub fn get_metric(&self, id: u32) -> Option<u64> {
+        self.ok(self.host.get_metric(id))
     }
 
     /// False if the host refused the period (then the timer keeps its old one).

@@ -159,6 +159,26 @@ impl Http {
         }
     }
 
+    /// Answers the status page here (config `status.path`); the request never goes on.
+    fn status_page(&mut self, method: Option<&str>) -> Action {
+        let json = [
+            ("content-type", "application/json"),
+            ("cache-control", "no-store"),
+        ];
+        match method {
+            Some("GET") => {
+                let body = self.with(|s| s.status_page()).unwrap_or_default();
+                self.host.send_response(200, &json, &body);
+            }
+            _ => self.host.send_response(
+                405,
+                &[("allow", "GET"), ("content-type", "application/json")],
+                br#"{"error":{"message":"the status page answers GET only","code":405}}"#,
+            ),
+        }
+        Action::Pause
+    }
+
     /// The buffered request body, at most `limits.max_route_bytes + 1` bytes of it: a body
     /// over the limit is routed as `too_large` and the rest is never copied into the VM.
     fn request_body(&self, size: usize) -> Vec<u8> {
@@ -449,8 +469,12 @@ impl HttpContext for Http {
         };
         let method = header(":method");
         let path = header(":path").unwrap_or_default();
+        let status = s.intercept.is_status(&path);
         let matched = s.intercept.matches(method.as_deref(), &path);
         drop(s);
+        if status {
+            return self.status_page(method.as_deref());
+        }
         let Some(m) = matched else {
             return Action::Continue;
         };

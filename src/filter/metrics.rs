@@ -29,6 +29,11 @@ impl Id {
             self.host.increment_metric(id, n);
         }
     }
+    /// The process-wide value (every VM's increments), 0 when the host has none.
+    pub fn value(&self) -> u64 {
+        self.id.and_then(|id| self.host.get_metric(id)).unwrap_or(0)
+    }
+
     /// Gauge value, or a histogram sample.
     pub fn record(&self, v: u64) {
         if let Some(id) = self.id {
@@ -202,6 +207,29 @@ impl Metrics {
                 })
                 .collect(),
         }
+    }
+
+    /// The counters the status page shows, totals and over recent windows: its names.
+    pub fn window(&self) -> [(&'static str, &Id); 17] {
+        [
+            ("routed", &self.routed),
+            ("fallback", &self.fallback),
+            ("rejected", &self.rejected),
+            ("fallback_parse_error", &self.fallback_parse),
+            ("fallback_unknown_model", &self.fallback_model),
+            ("fallback_no_candidates", &self.fallback_no_candidates),
+            ("fallback_too_large", &self.fallback_too_large),
+            ("disagg_prefill", &self.disagg_prefill),
+            ("disagg_local", &self.disagg_local),
+            ("feedback_usage", &self.usage_reports),
+            ("feedback_orca", &self.orca_reports),
+            ("feedback_metrics_error", &self.scrapes_error),
+            ("overpredicted", &self.overpredicted),
+            ("expired_requests", &self.expired_requests),
+            ("replication_errors", &self.repl_errors),
+            ("precise_stream_failures", &self.precise_stream_failures),
+            ("tokenize_failed", &self.tokenize_failed),
+        ]
     }
 
     pub fn worker(&self, w: u16) -> Option<&WorkerMetrics> {

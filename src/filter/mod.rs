@@ -9,6 +9,7 @@ mod ffi;
 mod host;
 mod http;
 mod metrics;
+mod page;
 mod relay;
 mod root;
 mod state;

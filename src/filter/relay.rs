@@ -51,6 +51,10 @@ pub struct RelayStream {
     peers: peers::Peers,
     /// A refused peer event was logged (once per VM: the counters say the rest).
     refusal_logged: bool,
+    /// When the last update arrived (Unix ms, 0: none yet), and the shared-data key where
+    /// the holder publishes its state for the other VMs' status pages.
+    pub(super) last_update_ms: u64,
+    pub(super) state_key: String,
 }
 
 impl RelayStream {
@@ -60,6 +64,7 @@ impl RelayStream {
             lease_key: format!("{ns}/relay-stream"),
             gateway_key: format!("{ns}/gateway-name"),
             group: ns.to_string(),
+            state_key: format!("{ns}/relay-state"),
             ..RelayStream::default()
         }
     }
@@ -99,6 +104,7 @@ impl State {
                     .precise_live
                     .record(u64::from(self.relay.feed.is_live()));
                 self.metrics.precise_fed_workers.record(fed);
+                self.publish_relay_state();
             }
             return;
         }
@@ -245,6 +251,7 @@ impl State {
             }
         };
         let now_ns = self.host.now_ns();
+        self.relay.last_update_ms = now_ns / 1_000_000;
         if update.sent_unix_ns > 0 {
             self.metrics
                 .precise_delay_us
@@ -339,7 +346,41 @@ impl State {
         self.apply_engine_events(evs);
         self.metrics.precise_live.record(0);
         self.metrics.precise_fed_workers.record(0);
+        self.publish_relay_state();
         self.relay_failed(why);
+    }
+
+    /// The stream's state for the status page of every VM (`crate::status`).
+    pub(super) fn publish_relay_state(&self) {
+        self.bus
+            .set(&self.relay.state_key, &self.relay_record(), None);
+    }
+
+    fn relay_record(&self) -> Vec<u8> {
+        let r = &self.relay;
+        crate::status::encode_precise(
+            r.token.is_some() && r.feed.is_live(),
+            u32::try_from(r.feed.fed_workers()).unwrap_or(u32::MAX),
+            u32::try_from(r.peers.charged()).unwrap_or(u32::MAX),
+            r.last_update_ms,
+        )
+    }
+
+    /// This VM's view of the stream when it holds it, else the holder's shared record.
+    pub(super) fn relay_state(&self, now_ms: u64) -> crate::status::PreciseState {
+        if self.router.config().relay.cluster.is_empty() {
+            return crate::status::PreciseState::default();
+        }
+        let rec = if self.relay.token.is_some() {
+            Some(self.relay_record())
+        } else {
+            self.bus.get(&self.relay.state_key).0
+        };
+        rec.and_then(|b| crate::status::decode_precise(&b, now_ms))
+            .unwrap_or(crate::status::PreciseState {
+                enabled: true,
+                ..Default::default()
+            })
     }
 
     fn relay_failed(&mut self, why: &str) {

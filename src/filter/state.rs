@@ -65,6 +65,8 @@ pub struct State {
     /// record as last read, with its CAS token (the write after routing starts from it).
     picks_key: String,
     picks_seen: (Vec<u8>, Option<u32>),
+    /// Samples of the status page's counters (`crate::status`), when the page is on.
+    pub(super) window: crate::status::Window,
 }
 
 /// Scrapes of the engines' Prometheus endpoints (config `metrics`). One VM of the process
@@ -195,6 +197,7 @@ impl State {
             relay: RelayStream::new(ns),
             picks_key: format!("{ns}/picks"),
             picks_seen: (Vec::new(), None),
+            window: crate::status::Window::default(),
             plugin_name: ns.split('@').next().unwrap_or("kvroute").to_string(),
         }
     }
@@ -449,6 +452,7 @@ impl State {
         self.drain();
         self.poll(now);
         self.relay_tick(now);
+        self.sample_counters(now);
         // The VM holding the relay stream forwards every VM's decisions: it wants them at once.
         let urgent = self.serving
             || self.relay.sharing_now()

@@ -178,6 +178,12 @@ impl Host for FakeHost {
         Ok(())
     }
 
+    fn get_metric(&self, id: u32) -> HostResult<u64> {
+        let f = self.0.borrow();
+        let m = f.metrics.get(id as usize).ok_or(Status::NotFound)?;
+        Ok(m.3.unwrap_or(m.2 as u64))
+    }
+
     fn set_tick_period(&self, period: Duration) -> HostResult<()> {
         self.fails("set_tick_period")?;
         self.0.borrow_mut().tick_periods.push(period.as_millis());
@@ -1901,4 +1907,137 @@ fn a_routed_request_tells_envoy_how_long_a_try_may_wait() {
         vm.req_header("x-envoy-upstream-rq-per-try-timeout-ms"),
         None
     );
+}
+
+const STATUS: &str =
+    r#","disaggregation":{"threshold_tokens":0},"status":{"path":"/kvroute/status"}"#;
+
+impl Vm {
+    /// A request for the status page: the action and the local answer, if one was sent.
+    fn status(&self, method: &str, path: &str) -> (Action, Option<(u32, serde_json::Value)>) {
+        self.request(method, path, &[]);
+        self.f().sent.clear();
+        let mut h = self.http();
+        let a = h.on_http_request_headers(2, true);
+        self.done(&mut h);
+        let sent = self.f().sent.pop();
+        (
+            a,
+            sent.map(|(code, _, body)| (code, serde_json::from_slice(&body).unwrap_or_default())),
+        )
+    }
+}
+
+#[test]
+fn the_status_page_is_off_by_default() {
+    let vm = Vm::new(NO_DISAGG);
+    let (a, sent) = vm.status("GET", "/kvroute/status");
+    assert_eq!(a, Action::Continue);
+    assert!(sent.is_none());
+}
+
+#[test]
+fn the_status_page_is_answered_locally_with_the_routers_state() {
+    let vm = Vm::new(STATUS);
+    let (mut h, a) = vm.post("a prompt long enough to fill a couple of blocks of text here");
+    assert_eq!(a, Action::Continue);
+    let target = chosen(&vm);
+    vm.state.borrow_mut().tick();
+    let (a, sent) = vm.status("GET", "/kvroute/status?pretty=1");
+    assert_eq!(a, Action::Pause, "never goes upstream");
+    let (code, page) = sent.unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+    let workers = page["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 3);
+    assert_eq!(workers[2]["role"], "prefill");
+    let inflight: Vec<u64> = workers
+        .iter()
+        .map(|w| w["inflight"].as_u64().unwrap())
+        .collect();
+    let mut want = vec![0, 0, 0];
+    want[usize::from(target)] = 1;
+    assert_eq!(inflight, want);
+    assert_eq!(page["active_requests"], 1);
+    assert_eq!(page["counters"]["total"]["routed"], 1);
+    assert_eq!(
+        page["counters"]["last_60s"]["grew"]["routed"], 0,
+        "sampled after"
+    );
+    assert_eq!(page["precise"]["enabled"], false);
+    assert_eq!(page["replication"]["serving"], true);
+    // A load report shows with its age.
+    vm.answer(
+        &mut h,
+        "200",
+        &[(
+            "endpoint-load-metrics",
+            "TEXT named_metrics.kv_cache_usage_perc=0.25,named_metrics.num_requests_waiting=3",
+        )],
+    );
+    vm.f().now_ns += 2_000_000_000;
+    let (_, sent) = vm.status("GET", "/kvroute/status");
+    let page = sent.unwrap().1;
+    let rep = &page["workers"][usize::from(target)]["report"];
+    assert_eq!(rep["waiting"], 3);
+    assert_eq!(rep["age_ms"], 2_000);
+    assert_eq!(rep["stale"], false);
+    vm.done(&mut h);
+    // Other methods get 405, still locally.
+    let (a, sent) = vm.status("POST", "/kvroute/status");
+    assert_eq!(a, Action::Pause);
+    assert_eq!(sent.unwrap().0, 405);
+    // Inference routes still route.
+    let (_h, a) = vm.post("another");
+    assert_eq!(a, Action::Continue);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 2);
+}
+
+#[test]
+fn the_status_page_windows_count_what_happened_since_the_samples() {
+    let vm = Vm::new(STATUS);
+    vm.state.borrow_mut().tick();
+    for p in ["one", "two", "three"] {
+        let (mut h, _) = vm.post(p);
+        vm.done(&mut h);
+    }
+    vm.f().now_ns += 30_000_000_000;
+    let (_, sent) = vm.status("GET", "/kvroute/status");
+    let page = sent.unwrap().1;
+    assert_eq!(page["counters"]["last_60s"]["grew"]["routed"], 3);
+    assert_eq!(page["counters"]["last_60s"]["span_ms"], 30_000);
+    assert_eq!(page["counters"]["last_300s"]["grew"]["routed"], 3);
+}
+
+#[test]
+fn every_vms_status_page_shows_the_relay_stream_its_holder_runs() {
+    use crate::precise::wire::Phase;
+    let cfg = r#","disaggregation":{"threshold_tokens":0},"relay":{"cluster":"relay"},"status":{"path":"/s"}"#;
+    let (_bus, a, b) = two_vms(cfg);
+    a.state.borrow_mut().start_serving();
+    for _ in 0..2 {
+        a.state.borrow_mut().tick();
+    }
+    let tok = a.f().grpc_opened[0].0;
+    let (_, sent) = b.status("GET", "/s");
+    let p = &sent.unwrap().1["precise"];
+    assert_eq!(
+        (p["enabled"].clone(), p["live"].clone()),
+        (true.into(), false.into())
+    );
+    a.relay_update(
+        tok,
+        &relay_update(1, Phase::SnapshotEnd, &[("d0", true, &[], &[])]),
+    );
+    a.state.borrow_mut().tick();
+    b.f().now_ns = a.f().now_ns + 500_000_000;
+    for vm in [&a, &b] {
+        let (_, sent) = vm.status("GET", "/s");
+        let p = &sent.unwrap().1["precise"];
+        assert_eq!(p["live"], true);
+        assert_eq!(p["fed_workers"], 1);
+        assert!(p["last_update_age_ms"].as_u64().is_some());
+    }
+    let (_, sent) = b.status("GET", "/s");
+    assert_eq!(sent.unwrap().1["precise"]["last_update_age_ms"], 500);
 }

@@ -19,21 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-from kvstack import RELAY, Stack, Worker, request, wait_port  # noqa: E402
+from kvstack import RELAY, Stack, Worker, request, tokens, wait_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.exists(RELAY), reason="kvroute-relay not built (make relay)")
 
 BLOCK = 16
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """`n` token ids, a deterministic function of `seed` (distinct seeds share nothing)."""
-    x = seed * 2654435761 % (1 << 32) or 1
-    out = []
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(100 + x % 30000)
-    return out
 
 
 def completion(prompt: list[int], max_tokens: int = 2) -> dict:

@@ -44,6 +44,7 @@ from kvstack import (  # noqa: E402
     start_vllm,
     stream,
     text,
+    tokens,
     vllm_fleet,
     vllm_kvroute,
     vllm_paths,
@@ -139,16 +140,6 @@ def wait_relay_blocks(fleet: Fleet, ok, what: str, worker: str | None = None, ti
         if time.time() > deadline:
             raise AssertionError(f"{what}: the relay indexes {n} blocks ({worker or 'all engines'})")
         time.sleep(0.05)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """`n` token ids of the 32k vocabulary, a deterministic function of `seed`."""
-    x = seed * 2654435761 % (1 << 32) or 1
-    out = []
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(100 + x % 30000)
-    return out
 
 
 def complete(s: Stack, prompt: list[int], max_tokens: int = 2) -> dict:

@@ -34,6 +34,7 @@ from kvstack import (  # noqa: E402
     Worker,
     free_port,
     request,
+    tokens,
     vllm_paths,
     wait_port,
 )
@@ -55,16 +56,6 @@ KV_BLOCKS = 16
 # answer: vLLM publishes from a thread of its engine process, which on 2 busy cores took up
 # to half a second; the mock's publisher is immediate.
 QUIET_S = {"vllm": 1.0, "mock": 0.3}
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    """`n` token ids of the 32k vocabulary (no special ids), a deterministic function of `seed`."""
-    x = seed * 2654435761 % (1 << 32) or 1
-    out = []
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(100 + x % 30000)
-    return out
 
 
 class Events:
