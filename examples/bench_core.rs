@@ -477,7 +477,7 @@ impl Bench {
         let route_ns = t.elapsed().as_nanos() as u64;
         let d = match r {
             RouteResult::Routed(d) => d,
-            RouteResult::Rejected => panic!("rejected"),
+            r => panic!("not routed: {r:?}"),
         };
         assert!(d.fallback.is_none(), "fallback: {:?}", d.fallback);
         let hit = d.predicted_hit();
@@ -720,6 +720,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
                 load: b.router.worker_view(w as u16, now),
                 confirmed_tokens: held[w] * BLOCK_SIZE,
                 family_share: None,
+                speed: 1.0,
             })
             .collect();
         let pick = select::pick(&sp, &cands, &shape, &mut rng);
@@ -926,7 +927,7 @@ fn overhead() {
                 let t0 = Instant::now();
                 let d = match router.route(ApiKind::Completions, &body, now) {
                     RouteResult::Routed(d) => d,
-                    RouteResult::Rejected => panic!("rejected"),
+                    r => panic!("not routed: {r:?}"),
                 };
                 let route_ns = ns(t0);
                 let t0 = Instant::now();

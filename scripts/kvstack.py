@@ -75,6 +75,10 @@ class Worker:
     # Precise mode: publish vLLM-format KV events on these ports (PUB, replay ROUTER).
     kv_events: int = 0
     kv_replay: int = 0
+    # kvroute's `workers[].models` and `workers[].speed` for this worker (left out when
+    # empty / 1).
+    models: list = field(default_factory=list)
+    speed: float = 1.0
 
     @property
     def endpoint(self) -> str:
@@ -115,7 +119,9 @@ def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict |
 
 def kvroute_config(fleet: list[Worker], /, **overrides) -> dict:
     cfg = {
-        "workers": [{"name": w.name, "endpoint": w.endpoint, "role": w.role, "kv_blocks": w.kv_blocks}
+        "workers": [{"name": w.name, "endpoint": w.endpoint, "role": w.role, "kv_blocks": w.kv_blocks,
+                     **({"models": w.models} if w.models else {}),
+                     **({"speed": w.speed} if w.speed != 1.0 else {})}
                     for w in fleet],
         "debug_headers": True,
     }

@@ -20,9 +20,11 @@ pub struct Config {
     pub chars_per_token: f64,
     /// Request paths that are parsed and routed; all other requests pass through untouched.
     pub routes: Vec<String>,
-    /// Models the fleet serves. Empty accepts any model; otherwise a request for another
-    /// model is not cache-routed (it falls back to the least-loaded worker and is counted).
+    /// Models (and adapters) a worker serves unless it lists its own in `workers[].models`.
+    /// Empty: any model.
     pub models: Vec<String>,
+    /// What a request for a model no worker serves gets.
+    pub unknown_model: UnknownModel,
     pub steering: SteeringConfig,
     pub scoring: ScoringConfig,
     pub busy: BusyConfig,
@@ -38,6 +40,7 @@ pub struct Config {
     pub relay: RelayConfig,
     pub tokenize: TokenizeConfig,
     pub status: StatusConfig,
+    pub hints: HintsConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -52,6 +55,7 @@ impl Default for Config {
             chars_per_token: DEFAULT_CHARS_PER_TOKEN,
             routes: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
             models: Vec::new(),
+            unknown_model: UnknownModel::Reject,
             steering: SteeringConfig::default(),
             scoring: ScoringConfig::default(),
             busy: BusyConfig::default(),
@@ -64,10 +68,21 @@ impl Default for Config {
             relay: RelayConfig::default(),
             tokenize: TokenizeConfig::default(),
             status: StatusConfig::default(),
+            hints: HintsConfig::default(),
             debug_headers: false,
             seed: 0,
         }
     }
+}
+
+/// The answer to a request for a model no worker serves (`unknown_model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownModel {
+    /// The filter answers OpenAI's 404 `model_not_found` itself; no worker sees it.
+    Reject,
+    /// The least-loaded decode worker gets it, not cache-routed (a fallback, counted).
+    Pass,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -98,6 +113,18 @@ pub struct WorkerConfig {
     /// KV cache capacity in blocks of `block_size` tokens (vLLM: `num_gpu_blocks`).
     #[serde(default)]
     pub kv_blocks: Option<u32>,
+    /// Models and adapter names this worker serves (the request's `model`); empty: the
+    /// top-level `models`, and when that is empty too, any model.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Prefill and decode throughput relative to the other workers (2: twice as fast). A
+    /// worker's queued and new work is priced in time, divided by this.
+    #[serde(default = "default_speed")]
+    pub speed: f64,
+}
+
+fn default_speed() -> f64 {
+    1.0
 }
 
 fn default_role() -> Role {
@@ -523,6 +550,24 @@ pub struct StatusConfig {
     pub path: String,
 }
 
+/// Client hints: requests with the same key (OpenAI's `prompt_cache_key` field, else the
+/// session header) prefer the worker that served the key last, as if it held one more
+/// cached block of their prompt (`crate::hashing::hint_hash`), so load still decides.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HintsConfig {
+    /// Request header carrying a session id; empty: not read.
+    pub session_header: String,
+}
+
+impl Default for HintsConfig {
+    fn default() -> Self {
+        Self {
+            session_header: "x-session-id".into(),
+        }
+    }
+}
+
 /// A configuration problem, naming the field as a path into the JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -623,6 +668,14 @@ impl Config {
             if w.kv_blocks == Some(0) {
                 return Err(err(at("kv_blocks"), "must be at least 1"));
             }
+            if !(w.speed.is_finite() && w.speed > 0.0 && w.speed <= 1000.0) {
+                return Err(err(at("speed"), "must be above 0 and at most 1000"));
+            }
+            for (j, m) in w.models.iter().enumerate() {
+                if m.is_empty() {
+                    return Err(err(at(&format!("models[{j}]")), "must not be empty"));
+                }
+            }
         }
         if self.block_size == 0 || self.block_size > 4096 {
             return Err(err("block_size", "must be between 1 and 4096"));
@@ -635,6 +688,11 @@ impl Config {
                 "chars_per_token",
                 format!("must be between {lo} and {hi}"),
             ));
+        }
+        for (j, m) in self.models.iter().enumerate() {
+            if m.is_empty() {
+                return Err(err(format!("models[{j}]"), "must not be empty"));
+            }
         }
         if self.routes.is_empty() {
             return Err(err("routes", "at least one path is required"));
@@ -701,6 +759,13 @@ impl Config {
             if !is_header_name(h) {
                 return Err(err(name, "must be a lowercase header name"));
             }
+        }
+        let sh = &self.hints.session_header;
+        if !sh.is_empty() && !is_header_name(sh) {
+            return Err(err(
+                "hints.session_header",
+                "must be a lowercase header name or empty (off)",
+            ));
         }
         if self.index.default_kv_blocks == 0 {
             return Err(err("index.default_kv_blocks", "must be at least 1"));
@@ -809,6 +874,28 @@ impl Config {
     pub fn kv_blocks(&self, w: &WorkerConfig) -> u32 {
         w.kv_blocks.unwrap_or(self.index.default_kv_blocks)
     }
+
+    /// The models `w` serves: its own list, else the top-level one; empty means any.
+    pub fn worker_models<'a>(&'a self, w: &'a WorkerConfig) -> &'a [String] {
+        if w.models.is_empty() {
+            &self.models
+        } else {
+            &w.models
+        }
+    }
+
+    /// Whether `w` serves `model`. A request without a model (engines then serve their only
+    /// one) may go to any worker.
+    pub fn serves(&self, w: &WorkerConfig, model: &str) -> bool {
+        let list = self.worker_models(w);
+        model.is_empty() || list.is_empty() || list.iter().any(|m| m == model)
+    }
+
+    /// Whether some worker is limited to a list of models (requests are then matched to
+    /// workers by model).
+    pub fn has_model_lists(&self) -> bool {
+        !self.models.is_empty() || self.workers.iter().any(|w| !w.models.is_empty())
+    }
 }
 
 fn is_header_name(s: &str) -> bool {
@@ -875,6 +962,19 @@ mod tests {
             (r#"{"workers":[{"name":"a","role":"prefill"}]}"#, "workers"),
             (r#"{"workers":[{"name":"a"}],"block_size":0}"#, "block_size"),
             (
+                r#"{"workers":[{"name":"a","models":["m",""]}]}"#,
+                "workers[0].models[1]",
+            ),
+            (r#"{"workers":[{"name":"a"}],"models":[""]}"#, "models[0]"),
+            (
+                r#"{"workers":[{"name":"a","speed":0}]}"#,
+                "workers[0].speed",
+            ),
+            (
+                r#"{"workers":[{"name":"a"}],"hints":{"session_header":"X-S"}}"#,
+                "hints.session_header",
+            ),
+            (
                 r#"{"workers":[{"name":"a"}],"health":{"prefill_slack":-1}}"#,
                 "health.prefill_slack",
             ),
@@ -909,6 +1009,24 @@ mod tests {
             assert_eq!(e.field, field, "{json}: {e}");
             assert!(e.to_string().contains(field));
         }
+    }
+
+    #[test]
+    fn worker_models_default_to_the_top_level_list_then_any() {
+        let c = parse(
+            r#"{"workers":[{"name":"a","models":["m1","m1-lora"]},{"name":"b"}],"models":["m2"]}"#,
+        )
+        .unwrap();
+        let (a, b) = (&c.workers[0], &c.workers[1]);
+        assert!(c.serves(a, "m1") && c.serves(a, "m1-lora") && !c.serves(a, "m2"));
+        assert!(c.serves(b, "m2") && !c.serves(b, "m1"));
+        // No model in the request: any worker.
+        assert!(c.serves(a, "") && c.serves(b, ""));
+        assert_eq!(c.unknown_model, UnknownModel::Reject);
+        let any = parse(r#"{"workers":[{"name":"a"}],"unknown_model":"pass"}"#).unwrap();
+        assert!(any.serves(&any.workers[0], "whatever") && !any.has_model_lists());
+        assert_eq!(any.unknown_model, UnknownModel::Pass);
+        assert!(parse(r#"{"workers":[{"name":"a"}],"unknown_model":"drop"}"#).is_err());
     }
 
     #[test]

@@ -35,6 +35,7 @@ const TAG_ENGINE_REMOVED: u8 = 11;
 const TAG_ENGINE_CLEARED: u8 = 12;
 const TAG_ENGINE_FEED: u8 = 13;
 const TAG_PEER_GONE: u8 = 14;
+const TAG_HINTED: u8 = 15;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -98,6 +99,13 @@ pub enum Event {
     PeerGone {
         tag: u64,
     },
+    /// A request with a client hint (`prompt_cache_key`, session header) went to `worker`:
+    /// the hint's virtual block ([`crate::hashing::hint_hash`]) is there now, and nowhere
+    /// else.
+    Hinted {
+        worker: WorkerId,
+        hash: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +166,7 @@ impl Event {
             Event::EngineCleared { .. } => TAG_ENGINE_CLEARED,
             Event::EngineFeed { .. } => TAG_ENGINE_FEED,
             Event::PeerGone { .. } => TAG_PEER_GONE,
+            Event::Hinted { .. } => TAG_HINTED,
         }
     }
 }
@@ -200,6 +209,10 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             o.push(u8::from(*on));
         }
         Event::PeerGone { tag } => put_u64(o, *tag),
+        Event::Hinted { worker, hash } => {
+            put_u16(o, *worker);
+            put_u64(o, *hash);
+        }
     }
 }
 
@@ -415,6 +428,10 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
         TAG_PEER_GONE => Event::PeerGone {
             tag: r.u64().ok_or(t)?,
         },
+        TAG_HINTED => Event::Hinted {
+            worker: r.u16().ok_or(t)?,
+            hash: r.u64().ok_or(t)?,
+        },
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -558,6 +575,10 @@ mod tests {
                 on: false,
             },
             Event::PeerGone { tag: 0x80_1234 },
+            Event::Hinted {
+                worker: 2,
+                hash: u64::MAX - 1,
+            },
         ]
     }
 

@@ -111,6 +111,17 @@ fn seed(model: &str, salt: Option<&str>) -> u64 {
     }
 }
 
+/// Keeps hint hashes apart from block hashes under the same seed.
+const HINT_DOMAIN: u64 = 0x6b76_726f_7574_6568;
+
+/// The virtual block a client hint (`prompt_cache_key`, a session header) stands for:
+/// recorded on the worker a hinted request went to, so the next request with the same key
+/// finds it there as one cached block. Seeded like the prompt's blocks, so a key is
+/// separate per model and salt.
+pub fn hint_hash(model: &str, salt: Option<&str>, key: &str) -> u64 {
+    xxh3_64_with_seed(key.as_bytes(), seed(model, salt) ^ HINT_DOMAIN)
+}
+
 /// Block hashes and token estimate of a request's prompt.
 ///
 /// For a batch, only the first entry (the routing prompt) is hashed; all entries count

@@ -38,6 +38,8 @@ pub struct InferenceRequest<'a> {
     /// `stream_options.include_usage`: whether the last SSE chunk will carry `usage`.
     pub include_usage: bool,
     pub cache_salt: Option<Cow<'a, str>>,
+    /// OpenAI's `prompt_cache_key`: requests sharing it prefer the worker that served it.
+    pub cache_key: Option<Cow<'a, str>>,
     /// Non-text content parts (`image_url`, `input_audio`, ...) that were not read as text.
     pub skipped_parts: u32,
 }
@@ -187,6 +189,7 @@ fn build(kind: ApiKind, f: de::Fields<'_>) -> Result<InferenceRequest<'_>, Parse
         stream: f.stream.unwrap_or(false),
         include_usage: f.include_usage.unwrap_or(false),
         cache_salt: f.cache_salt,
+        cache_key: f.prompt_cache_key,
     })
 }
 
@@ -258,7 +261,8 @@ mod tests {
     fn completion_string_prompt_borrows() {
         let req = completion(
             r#"{"model":"m","prompt":"hello","max_tokens":7,"stream":true,
-                "stream_options":{"include_usage":true},"cache_salt":"s","extra":{"x":[1]}}"#,
+                "stream_options":{"include_usage":true},"cache_salt":"s","extra":{"x":[1]},
+                "prompt_cache_key":"k"}"#,
         )
         .unwrap();
         assert_eq!(req.model, "m");
@@ -274,6 +278,7 @@ mod tests {
         assert!(req.stream);
         assert!(req.include_usage);
         assert_eq!(req.cache_salt.as_deref(), Some("s"));
+        assert_eq!(req.cache_key.as_deref(), Some("k"));
         assert_eq!(req.skipped_parts, 0);
     }
 
@@ -285,6 +290,7 @@ mod tests {
         assert!(!req.stream);
         assert!(!req.include_usage);
         assert_eq!(req.cache_salt, None);
+        assert_eq!(req.cache_key, None);
     }
 
     #[test]

@@ -3,11 +3,11 @@
 //! events, so the same code applies local decisions and those replicated from other threads.
 
 use crate::calibrate::Calibrator;
-use crate::config::{Config, DisaggMode, Role};
+use crate::config::{Config, DisaggMode, Role, UnknownModel};
 use crate::events::Event;
 use crate::family::Families;
 use crate::feedback::{OrcaLoad, Usage};
-use crate::hashing::{prompt_hashes_limited, token_prompt_hashes, HashParams};
+use crate::hashing::{hint_hash, prompt_hashes_limited, token_prompt_hashes, HashParams};
 use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
@@ -63,6 +63,9 @@ pub struct Decision {
     pub all_busy: bool,
     /// To replicate to the other threads (already applied here).
     pub event: Event,
+    /// The request's client hint, now on its decode worker ([`Event::Hinted`]); replicated
+    /// like `event`.
+    pub hinted: Option<Event>,
     /// The prompt's text length, for calibrating chars per token from `usage`.
     pub prompt_bytes_est: f64,
     /// The decode candidates' costs, kept only for debug headers.
@@ -111,11 +114,16 @@ impl Decision {
     }
 }
 
+/// Returned once per request and matched at once: boxing the decision would only add an
+/// allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum RouteResult {
     Routed(Decision),
     /// Every worker is busy and the config sheds load (answer 429).
     Rejected,
+    /// No worker serves the request's model and `unknown_model` is `reject` (answer 404).
+    UnknownModel(String),
 }
 
 /// What one finished request taught us.
@@ -157,6 +165,8 @@ pub struct Router {
     families: Families,
     /// Streams routed whose client asked for usage (which of them are read for it).
     usage_streams: u64,
+    /// Some worker serves only listed models: pools are filtered by the request's model.
+    model_lists: bool,
 }
 
 /// Streams with usage a VM reads in full before sampling (`limits.usage_read_every`): the
@@ -207,6 +217,7 @@ impl Router {
         index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
         let load = LoadTable::new(cfg.workers.len(), params);
         let chars_per_token = cfg.chars_per_token;
+        let cfg_model_lists = cfg.has_model_lists();
         let calib = Calibrator::new(cfg.workers.len());
         let families = Families::new(
             cfg.workers.len(),
@@ -231,6 +242,7 @@ impl Router {
             confirmed: VecDeque::new(),
             families,
             usage_streams: 0,
+            model_lists: cfg_model_lists,
         }
     }
 
@@ -312,17 +324,43 @@ impl Router {
         tokens: Option<&[u32]>,
         now_ms: u64,
     ) -> RouteResult {
+        self.route_hinted(kind, body, tokens, None, now_ms)
+    }
+
+    /// `route_tokens`, with the value of the request's session header
+    /// (`hints.session_header`): a hint, when the body has no `prompt_cache_key`.
+    pub fn route_hinted(
+        &mut self,
+        kind: ApiKind,
+        body: &[u8],
+        tokens: Option<&[u32]>,
+        session: Option<&str>,
+        now_ms: u64,
+    ) -> RouteResult {
         self.flush();
         if body.len() > self.cfg.limits.max_route_bytes as usize {
-            return self.route_fallback(Fallback::TooLarge, now_ms);
+            let pool = self.decode_pool.clone();
+            return self.route_fallback(Fallback::TooLarge, &pool, now_ms);
         }
         let req = match parse(kind, body) {
             Ok(r) => r,
-            Err(e) => return self.route_fallback(Fallback::Parse(describe(&e)), now_ms),
+            Err(e) => {
+                let pool = self.decode_pool.clone();
+                return self.route_fallback(Fallback::Parse(describe(&e)), &pool, now_ms);
+            }
         };
-        if !self.cfg.models.is_empty() && !self.cfg.models.iter().any(|m| m == req.model.as_ref()) {
-            return self.route_fallback(Fallback::UnknownModel(req.model.to_string()), now_ms);
+        let decode_pool = self.pool_for(&self.decode_pool, &req.model);
+        if decode_pool.is_empty() {
+            let model = req.model.to_string();
+            return match self.cfg.unknown_model {
+                UnknownModel::Reject => RouteResult::UnknownModel(model),
+                UnknownModel::Pass => {
+                    let pool = self.decode_pool.clone();
+                    self.route_fallback(Fallback::UnknownModel(model), &pool, now_ms)
+                }
+            };
         }
+        let prefill_pool = self.pool_for(&self.prefill_pool, &req.model);
         let params = HashParams::from_config(&self.cfg);
         let max_blocks = self.cfg.limits.max_blocks as usize;
         let ph = match tokens {
@@ -331,6 +369,12 @@ impl Router {
             }
             _ => prompt_hashes_limited(&req, &params, max_blocks),
         };
+        let hint = req
+            .cache_key
+            .as_deref()
+            .or(session)
+            .filter(|k| !k.is_empty())
+            .map(|k| hint_hash(&req.model, req.cache_salt.as_deref(), k));
         // The parsed prompt (a batch's every entry) is not needed past hashing.
         let max_tokens = req.max_tokens;
         let stream = req.stream;
@@ -389,39 +433,54 @@ impl Router {
             (held.get(usize::from(w)).copied().unwrap_or(0) >= best)
                 .then(|| self.families.share(f, w, now_ms))
         };
-        let mut decode_cands = self.candidates(
-            &self.decode_pool,
-            &overlap_tokens,
-            &confirmed_tokens,
-            now_ms,
-        );
+        let mut decode_cands =
+            self.candidates(&decode_pool, &overlap_tokens, &confirmed_tokens, now_ms);
         for c in &mut decode_cands {
             c.family_share = family_share(c.id);
         }
-        let pick = match select::pick(&self.sel, &decode_cands, &shape, &mut self.rng) {
+        // A hint is one more block at the head of the prompt, cached (confirmed) where the
+        // key went last: prefix affinity and its load trade-off, at the weight of one block.
+        let decode_shape = match hint {
+            Some(h) => {
+                let mut holds = vec![0u32; self.cfg.workers.len()];
+                self.index.lookup(&[h], now_ms, &mut holds);
+                for c in &mut decode_cands {
+                    if holds.get(usize::from(c.id)).is_some_and(|&b| b > 0) {
+                        c.overlap_tokens = c.overlap_tokens.saturating_add(bs);
+                        c.confirmed_tokens = c.confirmed_tokens.saturating_add(bs);
+                    }
+                }
+                RequestShape {
+                    prompt_tokens: prompt_tokens.saturating_add(bs),
+                    ..shape
+                }
+            }
+            None => shape,
+        };
+        let pick = match select::pick(&self.sel, &decode_cands, &decode_shape, &mut self.rng) {
             Outcome::Picked(p) => p,
             Outcome::Rejected => return RouteResult::Rejected,
-            Outcome::NoCandidates => return self.route_fallback(Fallback::NoCandidates, now_ms),
+            Outcome::NoCandidates => {
+                return self.route_fallback(Fallback::NoCandidates, &decode_pool, now_ms);
+            }
         };
-        let alternates = self.alternates(&decode_cands, &shape, pick.id);
+        let alternates = self.alternates(&decode_cands, &decode_shape, pick.id);
         let considered = if self.cfg.debug_headers {
-            select::explain(&self.sel, &decode_cands, &shape)
+            select::explain(&self.sel, &decode_cands, &decode_shape)
         } else {
             Vec::new()
         };
+        // The prompt's own cached tokens there (without a hint's virtual block).
+        let decode_overlap = overlap_tokens(pick.id);
 
         let mut prefill = None;
-        let mut serve_overlap = pick.overlap_tokens;
+        let mut serve_overlap = decode_overlap;
         let threshold = self.cfg.disaggregation.threshold_tokens;
-        if threshold > 0 && !self.prefill_pool.is_empty() {
-            let uncached = select::uncached_tokens(prompt_tokens, pick.overlap_tokens);
+        if threshold > 0 && !prefill_pool.is_empty() {
+            let uncached = select::uncached_tokens(prompt_tokens, decode_overlap);
             if uncached > threshold {
-                let cands = self.candidates(
-                    &self.prefill_pool,
-                    &overlap_tokens,
-                    &confirmed_tokens,
-                    now_ms,
-                );
+                let cands =
+                    self.candidates(&prefill_pool, &overlap_tokens, &confirmed_tokens, now_ms);
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
                     // The pool only pays when prefilling there costs no more than on the
@@ -430,7 +489,12 @@ impl Router {
                     // passes its streams sit out. Equal costs go to the pool.
                     let pool_pays = !self.cfg.disaggregation.compare_cost
                         || select::prefill_cost(&self.sel, &cands, pp.id, &shape)
-                            <= select::prefill_cost(&self.sel, &decode_cands, pick.id, &shape);
+                            <= select::prefill_cost(
+                                &self.sel,
+                                &decode_cands,
+                                pick.id,
+                                &decode_shape,
+                            );
                     if pool_pays {
                         prefill = Some(pp.id);
                         serve_overlap = pp.overlap_tokens;
@@ -467,6 +531,14 @@ impl Router {
             },
         ));
         let event = Event::Routed(routed);
+        let hinted = hint.map(|hash| {
+            let e = Event::Hinted {
+                worker: pick.id,
+                hash,
+            };
+            self.apply(&e, now_ms);
+            e
+        });
         let target = match (prefill, self.cfg.disaggregation.mode) {
             (Some(p), DisaggMode::Kvroute) => p,
             _ => pick.id,
@@ -488,12 +560,13 @@ impl Router {
             prefill,
             alternates,
             overlap_tokens: serve_overlap,
-            decode_overlap_tokens: pick.overlap_tokens,
+            decode_overlap_tokens: decode_overlap,
             prompt_tokens,
             exact_tokens: ph.exact,
             fallback: None,
             all_busy: pick.all_busy,
             event,
+            hinted,
             prompt_bytes_est: prompt_bytes,
             considered,
             usage_at_end_only,
@@ -501,9 +574,22 @@ impl Router {
         })
     }
 
-    /// Least-loaded healthy worker for a request we cannot read.
-    fn route_fallback(&mut self, why: Fallback, now_ms: u64) -> RouteResult {
-        let cands = self.candidates(&self.decode_pool, &|_| 0, &|_| 0, now_ms);
+    /// The workers of `pool` that serve `model` (all of it when no worker lists models).
+    fn pool_for(&self, pool: &[WorkerId], model: &str) -> Vec<WorkerId> {
+        let serves = |w: &WorkerId| {
+            !self.model_lists
+                || self
+                    .cfg
+                    .workers
+                    .get(usize::from(*w))
+                    .is_some_and(|c| self.cfg.serves(c, model))
+        };
+        pool.iter().copied().filter(serves).collect()
+    }
+
+    /// Least-loaded healthy worker of `pool` for a request we cannot cache-route.
+    fn route_fallback(&mut self, why: Fallback, pool: &[WorkerId], now_ms: u64) -> RouteResult {
+        let cands = self.candidates(pool, &|_| 0, &|_| 0, now_ms);
         let shape = RequestShape::default();
         let pick = match select::pick(&self.sel, &cands, &shape, &mut self.rng) {
             Outcome::Picked(p) => p,
@@ -536,6 +622,7 @@ impl Router {
             fallback: Some(why),
             all_busy: pick.all_busy,
             event,
+            hinted: None,
             prompt_bytes_est: 0.0,
             considered: Vec::new(),
             // The body was not read: every chunk might carry usage.
@@ -570,6 +657,11 @@ impl Router {
                 load: self.worker_view(w, now_ms),
                 confirmed_tokens: confirmed(w),
                 family_share: None,
+                speed: self
+                    .cfg
+                    .workers
+                    .get(usize::from(w))
+                    .map_or(1.0, |c| c.speed),
             })
             .collect()
     }
@@ -690,6 +782,21 @@ impl Router {
             }
             Event::PeerGone { tag } => {
                 self.purge_peer(*tag);
+            }
+            Event::Hinted { worker, hash } => {
+                // The key moves with its requests: only its latest worker keeps it.
+                let mut holds = [0u32; crate::ids::MAX_WORKERS];
+                self.index.lookup(&[*hash], now_ms, &mut holds);
+                for (w, &b) in holds.iter().enumerate() {
+                    if b > 0 && w != usize::from(*worker) {
+                        if let Ok(w) = WorkerId::try_from(w) {
+                            self.index.truncate(w, &[*hash], 0);
+                        }
+                    }
+                }
+                if usize::from(*worker) < self.cfg.workers.len() {
+                    self.index.insert(*worker, &[*hash], now_ms);
+                }
             }
             Event::EngineCleared { worker } => {
                 self.index.clear(*worker);
@@ -1044,8 +1151,163 @@ mod tests {
     fn routed(r: RouteResult) -> Decision {
         match r {
             RouteResult::Routed(d) => d,
-            RouteResult::Rejected => panic!("rejected"),
+            r => panic!("not routed: {r:?}"),
         }
+    }
+
+    /// Two models on disjoint pools: decode a0-a1 and prefill pa serve model A (and its
+    /// adapter), b0-b1 and pb model B.
+    fn two_models(extra: &str) -> Router {
+        let json = format!(
+            r#"{{"workers":[
+                {{"name":"a0","endpoint":"127.0.0.1:8001","models":["A","A-lora"]}},
+                {{"name":"a1","endpoint":"127.0.0.1:8002","models":["A","A-lora"]}},
+                {{"name":"b0","endpoint":"127.0.0.1:8003","models":["B"]}},
+                {{"name":"b1","endpoint":"127.0.0.1:8004","models":["B"]}},
+                {{"name":"pa","endpoint":"127.0.0.1:8101","role":"prefill","models":["A","A-lora"]}},
+                {{"name":"pb","endpoint":"127.0.0.1:8102","role":"prefill","models":["B"]}}
+            ],"disaggregation":{{"threshold_tokens":1000,"compare_cost":false}}{extra}}}"#
+        );
+        Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 5)
+    }
+
+    fn model_request(model: &str, prompt: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 8}))
+            .unwrap()
+    }
+
+    #[test]
+    fn requests_stay_in_their_models_pools() {
+        let mut r = two_models("");
+        let name = |r: &Router, w: WorkerId| r.config().workers[usize::from(w)].name.clone();
+        for i in 0..24u64 {
+            let (model, pool) = match i % 3 {
+                0 => ("A", 'a'),
+                1 => ("A-lora", 'a'),
+                _ => ("B", 'b'),
+            };
+            // Long cold prompts go through the prefill pool of their model only.
+            let d = routed(r.route(
+                ApiKind::Completions,
+                &model_request(model, &doc(i, 40_000)),
+                i,
+            ));
+            assert!(
+                name(&r, d.decode).starts_with(pool),
+                "{model} -> {}",
+                name(&r, d.decode)
+            );
+            let p = d.prefill.expect("disaggregated");
+            assert_eq!(name(&r, p), format!("p{pool}"));
+            assert!(d.alternates.iter().all(|&w| name(&r, w).starts_with(pool)));
+            let short = routed(r.route(ApiKind::Completions, &model_request(model, "hi"), i));
+            assert!(name(&r, short.decode).starts_with(pool));
+        }
+        // No model: any worker, as before.
+        let d = routed(r.route(ApiKind::Completions, br#"{"prompt":"x"}"#, 99));
+        assert_eq!(d.fallback, None);
+    }
+
+    fn keyed(prompt: &str, key: &str) -> Vec<u8> {
+        serde_json::to_vec(
+            &serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 8,
+            "prompt_cache_key": key}),
+        )
+        .unwrap()
+    }
+
+    /// Requests with one key and unrelated text keep to one worker while it is quiet, and
+    /// leave it when its queue is long; the key then lives on the new worker only.
+    #[test]
+    fn a_cache_key_keeps_its_worker_while_load_allows() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 9);
+        let first = routed(r.route(ApiKind::Completions, &keyed(&doc(1, 2000), "agent-7"), 0));
+        assert!(first.hinted.is_some());
+        r.on_first_byte(&first, true, 5);
+        r.on_finish(&first, 10);
+        for i in 0..8u64 {
+            let d = routed(r.route(
+                ApiKind::Completions,
+                &keyed(&doc(10 + i, 2000), "agent-7"),
+                20 + i,
+            ));
+            assert_eq!(d.decode, first.decode, "request {i}");
+            assert_eq!(
+                d.overlap_tokens, 0,
+                "no text in common: the hint is not cache"
+            );
+            r.on_finish(&d, 30 + i);
+        }
+        // Without the key the same requests spread.
+        let spread: std::collections::HashSet<_> = (0..8u64)
+            .map(|i| {
+                let d = routed(r.route(
+                    ApiKind::Completions,
+                    &completion(&doc(40 + i, 2000)),
+                    50 + i,
+                ));
+                r.on_finish(&d, 60 + i);
+                d.decode
+            })
+            .collect();
+        assert!(spread.len() > 1, "{spread:?}");
+        // Its worker's queue grows long: the key's next request goes elsewhere, and stays.
+        let hot = first.decode;
+        for i in 0..16u64 {
+            r.apply(
+                &Event::Routed(NewRequest {
+                    id: 1 << 40 | i,
+                    worker: hot,
+                    prefill_worker: None,
+                    blocks: Vec::new(),
+                    cached_blocks: 0,
+                    tail_blocks: 150,
+                    prefill_tokens: 2000,
+                    now_ms: 70,
+                }),
+                70,
+            );
+        }
+        let moved = routed(r.route(ApiKind::Completions, &keyed(&doc(200, 2000), "agent-7"), 80));
+        assert_ne!(moved.decode, hot);
+        let mut holds = vec![0u32; 6];
+        let Some(Event::Hinted { hash, .. }) = moved.hinted else {
+            panic!("no hint")
+        };
+        r.index().lookup(&[hash], 80, &mut holds);
+        assert_eq!(holds.iter().sum::<u32>(), 1);
+        assert_eq!(holds[usize::from(moved.decode)], 1);
+        // The session header is the same hint when the body has no key.
+        let a =
+            routed(r.route_hinted(ApiKind::Completions, &completion("x"), None, Some("s1"), 90));
+        r.on_finish(&a, 91);
+        let b =
+            routed(r.route_hinted(ApiKind::Completions, &completion("y"), None, Some("s1"), 92));
+        assert_eq!(a.decode, b.decode);
+    }
+
+    #[test]
+    fn a_model_no_worker_serves_is_rejected_or_passed_on() {
+        let mut r = two_models("");
+        assert_eq!(
+            r.route(ApiKind::Completions, &model_request("C", "x"), 0),
+            RouteResult::UnknownModel("C".into())
+        );
+        assert_eq!(r.load().totals(), (0, 0, 0), "nothing charged");
+        let mut r = two_models(r#","unknown_model":"pass""#);
+        let d = routed(r.route(ApiKind::Completions, &model_request("C", "x"), 0));
+        assert_eq!(d.fallback, Some(Fallback::UnknownModel("C".into())));
+        // The top-level list is every worker's default.
+        let json = r#"{"workers":[{"name":"a"},{"name":"b","models":["B"]}],"models":["A"]}"#;
+        let mut r = Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 5);
+        for (model, worker) in [("A", 0), ("B", 1)] {
+            let d = routed(r.route(ApiKind::Completions, &model_request(model, "x"), 0));
+            assert_eq!(d.decode, worker);
+        }
+        assert!(matches!(
+            r.route(ApiKind::Completions, &model_request("C", "x"), 0),
+            RouteResult::UnknownModel(_)
+        ));
     }
 
     fn doc(seed: u64, bytes: usize) -> String {

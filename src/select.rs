@@ -23,6 +23,8 @@
 //!                 (the median worker has prefill waiting) instead
 //!                 s * mean blocks per request in flight * request_ratio_weight
 //!                   * max(0, share - request_ratio_saturated), whatever the worker's in-flight
+//! prefill, recompute, decode and interfere are divided by the worker's `speed` (time, not
+//! blocks: a mixed fleet balances by time), and the share is counted per unit of speed.
 //! At low load the cost is the wait for the first token plus what recomputing costs everyone
 //! else (recompute_weight_min: recomputed tokens share the worker's batches, and a copy
 //! duplicates cache the fleet has; copy_weight: a copy of a cached prefix is a lost hit), so
@@ -112,6 +114,10 @@ pub struct Candidate {
     /// ([`crate::family`]), when the worker holds all of that prefix; None when it does not
     /// (a request placed here is new to it) or the prefix is new to every worker.
     pub family_share: Option<f64>,
+    /// Throughput relative to the other workers (`workers[].speed`, > 0): its prefill,
+    /// recompute, interference and decode terms are divided by it, and its request share
+    /// is counted per unit of speed.
+    pub speed: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -175,9 +181,10 @@ pub struct Pool {
     pub waiting: u32,
     /// The longest confirmed cached prefix any worker holds for this request, in tokens.
     pub best_confirmed_tokens: u32,
-    /// Recent requests per healthy worker, on average ([`WorkerView::recent_requests`]).
+    /// Recent requests per healthy worker of speed 1, on average
+    /// ([`WorkerView::recent_requests`]; a worker of speed 2 counts as two).
     pub mean_recent: f64,
-    /// Requests in flight per healthy worker, on average.
+    /// Requests in flight per healthy worker of speed 1, on average.
     pub mean_inflight: f64,
     /// Context blocks per request in flight across the healthy workers, on average (0 with
     /// nothing in flight): what one more request weighs on a worker, whatever its size.
@@ -199,25 +206,36 @@ impl Pool {
             w.get(mid).copied().unwrap_or(0)
         };
         let healthy = cands.iter().filter(|c| c.load.healthy);
-        let (n, sum, inflight, context) = healthy.fold((0u32, 0.0, 0.0, 0.0), |(n, s, f, b), c| {
-            (
-                n + 1,
-                s + c.load.recent_requests,
-                f + f64::from(c.load.inflight),
-                b + c.load.context_blocks as f64,
-            )
-        });
+        // `speed` is the fleet's capacity in units of a speed-1 worker.
+        let (speed, sum, inflight, context) =
+            healthy.fold((0.0, 0.0, 0.0, 0.0), |(n, s, f, b), c| {
+                (
+                    n + speed_of(c),
+                    s + c.load.recent_requests,
+                    f + f64::from(c.load.inflight),
+                    b + c.load.context_blocks as f64,
+                )
+            });
         Pool {
             waiting,
             best_confirmed_tokens: cands.iter().map(|c| c.confirmed_tokens).max().unwrap_or(0),
-            mean_recent: if n == 0 { 0.0 } else { sum / f64::from(n) },
-            mean_inflight: if n == 0 { 0.0 } else { inflight / f64::from(n) },
+            mean_recent: if speed > 0.0 { sum / speed } else { 0.0 },
+            mean_inflight: if speed > 0.0 { inflight / speed } else { 0.0 },
             mean_request_blocks: if inflight > 0.0 {
                 context / inflight
             } else {
                 0.0
             },
         }
+    }
+}
+
+/// `c.speed`, or 1 where it is not a usable factor.
+fn speed_of(c: &Candidate) -> f64 {
+    if c.speed.is_finite() && c.speed > 0.0 {
+        c.speed
+    } else {
+        1.0
     }
 }
 
@@ -246,15 +264,17 @@ pub fn request_share(p: &SelectParams, c: &Candidate, pool: &Pool) -> Option<f64
     // holds instead. That cap must see the worker that took many short ones: the terms
     // that move long prompts off busy workers leave the short ones to pile up there, and
     // they finish too fast to keep it above the average in flight.
+    // Shares are per unit of speed: a worker twice as fast is meant to take twice the share.
     let saturated = pool.waiting > 0;
+    let speed = speed_of(c);
     if p.request_ratio <= 0.0
         || (saturated && p.request_ratio_saturated <= 0.0)
         || c.load.inflight < p.request_ratio_min_inflight
-        || (!saturated && f64::from(c.load.inflight) <= pool.mean_inflight)
+        || (!saturated && f64::from(c.load.inflight) / speed <= pool.mean_inflight)
     {
         return None;
     }
-    Some((c.load.recent_requests - p.request_ratio_slack) / pool.mean_recent.max(1.0))
+    Some((c.load.recent_requests - p.request_ratio_slack) / speed / pool.mean_recent.max(1.0))
 }
 
 /// Cost of sending request `r` to `c`, one of the candidates `pool` was made of.
@@ -353,13 +373,16 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
     let interference =
         p.decode_interference * streams * (uncached + p.request_overhead_tokens / bs);
     let s = p.prefill_load_scale;
+    // Work on `c` takes 1 / speed of the time: queue, prefill and decode are priced in time
+    // (in blocks of a speed-1 worker), so a mixed fleet balances by time, not by blocks.
+    let speed = speed_of(c);
     CostTerms {
-        prefill: s * prefill,
+        prefill: s * (prefill / speed),
         // Unscaled products first: a huge scale times a zero term must stay 0, never NaN.
-        recompute: s * (recompute_factor(p, c, pool.waiting) * uncached),
+        recompute: s * (recompute_factor(p, c, pool.waiting) * uncached / speed),
         duplicate: s * (duplicate * (p.copy_weight + p.duplicate_weight * fullness)),
-        decode,
-        interference: s * interference,
+        decode: decode / speed,
+        interference: s * (interference / speed),
         memory,
         balance: p.cache_balance * written * pressure,
         // A worker taking far more than its share of requests is a hot spot whatever its
@@ -561,6 +584,7 @@ mod tests {
             load,
             confirmed_tokens: overlap * 16,
             family_share: None,
+            speed: 1.0,
         }
     }
 
@@ -583,6 +607,55 @@ mod tests {
             Outcome::Picked(p) => p,
             other => panic!("expected a pick, got {other:?}"),
         }
+    }
+
+    /// A worker twice as fast does the same queue in half the time: with twice the queue of
+    /// a speed-1 worker it costs the same; with the same queue it wins. Its request share is
+    /// counted per unit of speed, so twice the requests make it no hot spot.
+    #[test]
+    fn a_faster_worker_is_priced_in_time() {
+        let p = SelectParams::default();
+        let r = shape(1600);
+        let queued = |tokens: f64, prefilling: u32, inflight: u32| WorkerView {
+            prefill_tokens: tokens,
+            prefilling,
+            inflight,
+            context_blocks: u64::from(inflight) * 100,
+            ..idle()
+        };
+        let fast = |v: WorkerView| Candidate {
+            speed: 2.0,
+            ..cand(0, 0, v)
+        };
+        let slow = cand(1, 0, queued(4000.0, 2, 2));
+        let same = fast(queued(4000.0, 2, 2));
+        let pool = Pool::of(&[same, slow]);
+        let (a, b) = (terms(&p, &same, &r, &pool), terms(&p, &slow, &r, &pool));
+        for (x, y) in [
+            (a.prefill, b.prefill),
+            (a.recompute, b.recompute),
+            (a.decode, b.decode),
+            (a.interference, b.interference),
+        ] {
+            assert!(x > 0.0 && (2.0 * x - y).abs() < 1e-9, "{a:?} vs {b:?}");
+        }
+        assert_eq!(picked(pick(&p, &[same, slow], &r, &mut Rng::new(1))).id, 0);
+        assert_eq!(picked(pick(&p, &[slow, same], &r, &mut Rng::new(1))).id, 0);
+        // Twice the recent requests of a speed-1 worker, on twice the speed.
+        let recent = |n: f64, inflight: u32| WorkerView {
+            recent_requests: n,
+            inflight,
+            ..idle()
+        };
+        let busy_fast = fast(recent(80.0, 8));
+        let others = [cand(1, 0, recent(40.0, 4)), cand(2, 0, recent(40.0, 4))];
+        let pool = Pool::of(&[busy_fast, others[0], others[1]]);
+        assert_eq!(request_share(&p, &busy_fast, &pool), None);
+        assert_eq!(terms(&p, &busy_fast, &r, &pool).share, 0.0);
+        // The same traffic on a speed-1 worker is a hot spot.
+        let busy_slow = cand(0, 0, recent(80.0, 8));
+        let pool = Pool::of(&[busy_slow, others[0], others[1]]);
+        assert!(terms(&p, &busy_slow, &r, &pool).share > 0.0);
     }
 
     /// A cold 8k-token prompt: the prefill pool's queue is a little longer than the decode

@@ -198,6 +198,26 @@ pub fn request_headers<'a>(r: &'a Router, d: &Decision) -> Vec<(&'a str, Cow<'a,
     out
 }
 
+/// Longest model name echoed back in a `model_not_found` answer.
+const ECHO_MODEL_BYTES: usize = 256;
+
+/// OpenAI's answer to a model it does not serve (HTTP 404), naming the model (at most
+/// [`ECHO_MODEL_BYTES`] of it, JSON-escaped).
+pub fn model_not_found_body(model: &str) -> Vec<u8> {
+    let mut end = model.len().min(ECHO_MODEL_BYTES);
+    while !model.is_char_boundary(end) {
+        end = end.saturating_sub(1);
+    }
+    let name = model.get(..end).unwrap_or_default();
+    let body = serde_json::json!({"error": {
+        "message": format!("The model `{name}` does not exist."),
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }});
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
 /// Response headers that show the decision (config `debug_headers`).
 pub fn debug_headers(r: &Router, d: &Decision) -> Vec<(&'static str, String)> {
     let mut h = vec![
@@ -267,6 +287,19 @@ fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn model_not_found_is_openai_shaped_and_bounded() {
+        let v: serde_json::Value =
+            serde_json::from_slice(&super::model_not_found_body("a\"b")).unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["message"], "The model `a\"b` does not exist.");
+        let long = "é".repeat(1000);
+        let body = super::model_not_found_body(&long);
+        assert!(body.len() < 400, "{}", body.len());
+        assert!(serde_json::from_slice::<serde_json::Value>(&body).is_ok());
+    }
+
     use super::*;
     use crate::router::RouteResult;
     #[cfg(target_arch = "wasm32")]
@@ -289,7 +322,7 @@ mod tests {
         let body = serde_json::to_vec(&serde_json::json!({"model":"m","prompt":prompt})).unwrap();
         match r.route(ApiKind::Completions, &body, 0) {
             RouteResult::Routed(d) => d,
-            RouteResult::Rejected => panic!("rejected"),
+            r => panic!("not routed: {r:?}"),
         }
     }
 
@@ -517,7 +550,7 @@ mod tests {
         let mut r = router("");
         let d = match r.route(ApiKind::Completions, b"{broken", 0) {
             RouteResult::Routed(d) => d,
-            RouteResult::Rejected => panic!("rejected"),
+            r => panic!("not routed: {r:?}"),
         };
         let h = debug_headers(&r, &d);
         assert_eq!(h.len(), 4);

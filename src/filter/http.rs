@@ -34,6 +34,8 @@ pub struct Http {
     confirm_due: bool,
     finished: bool,
     tail: UsageTail,
+    /// The request's session header (`hints.session_header`), a routing hint.
+    session: Option<String>,
 }
 
 impl Http {
@@ -57,6 +59,7 @@ impl Http {
             confirm_due: false,
             finished: false,
             tail: UsageTail::default(),
+            session: None,
         }
     }
 
@@ -120,14 +123,19 @@ impl Http {
         let outcome = self.with(|s| {
             s.start_serving();
             s.read_peer_picks(now);
-            let res = s.router.route_tokens(kind, body, tokens, now);
+            let session = self.session.as_deref();
+            let res = s.router.route_hinted(kind, body, tokens, session, now);
             s.metrics
                 .route_time_us
                 .record(host.now_ns().saturating_sub(t0) / 1000);
             match res {
                 RouteResult::Rejected => {
                     s.metrics.rejected.inc();
-                    None
+                    Err(None)
+                }
+                RouteResult::UnknownModel(model) => {
+                    s.metrics.model_not_found.inc();
+                    Err(Some(model))
                 }
                 RouteResult::Routed(d) => {
                     for (name, value) in steer::request_headers(&s.router, &d) {
@@ -136,21 +144,32 @@ impl Http {
                     record_decision(s, &d);
                     s.publish_pick(&d, now);
                     s.broadcast(std::slice::from_ref(&d.event));
+                    if let Some(e) = &d.hinted {
+                        s.broadcast(std::slice::from_ref(e));
+                    }
                     s.defer_flush();
-                    Some(d)
+                    Ok(d)
                 }
             }
         });
         match outcome {
-            Some(Some(d)) => {
+            Some(Ok(d)) => {
                 self.decision = Some(d);
                 Action::Continue
             }
-            Some(None) => {
+            Some(Err(None)) => {
                 host.send_response(
                     429,
                     &[("content-type", "application/json"), ("retry-after", "1")],
                     BUSY_BODY,
+                );
+                Action::Pause
+            }
+            Some(Err(Some(model))) => {
+                host.send_response(
+                    404,
+                    &[("content-type", "application/json")],
+                    &steer::model_not_found_body(&model),
                 );
                 Action::Pause
             }
@@ -471,13 +490,19 @@ impl HttpContext for Http {
         let path = header(":path").unwrap_or_default();
         let status = s.intercept.is_status(&path);
         let matched = s.intercept.matches(method.as_deref(), &path);
-        drop(s);
         if status {
+            drop(s);
             return self.status_page(method.as_deref());
         }
         let Some(m) = matched else {
             return Action::Continue;
         };
+        let session_header = &s.router.config().hints.session_header;
+        let session = (!session_header.is_empty())
+            .then(|| header(session_header.as_str()))
+            .flatten();
+        drop(s);
+        self.session = session;
         self.kind = Some(m.kind);
         if let Some(p) = m.rewrite {
             host.set_header(MapType::HttpRequestHeaders, ":path", Some(&p));

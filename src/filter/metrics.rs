@@ -61,6 +61,8 @@ pub struct Metrics {
     pub routed: Id,
     pub fallback: Id,
     pub rejected: Id,
+    /// Requests for a model no worker serves, answered 404 by the filter.
+    pub model_not_found: Id,
     pub fallback_parse: Id,
     pub fallback_model: Id,
     pub fallback_no_candidates: Id,
@@ -138,6 +140,7 @@ impl Metrics {
             routed: c("kvroute.requests.routed.total"),
             fallback: c("kvroute.requests.fallback.total"),
             rejected: c("kvroute.requests.rejected.total"),
+            model_not_found: c("kvroute.requests.model_not_found.total"),
             fallback_parse: c("kvroute.fallbacks.parse_error.total"),
             fallback_model: c("kvroute.fallbacks.unknown_model.total"),
             fallback_no_candidates: c("kvroute.fallbacks.no_candidates.total"),

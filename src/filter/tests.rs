@@ -855,6 +855,31 @@ fn every_worker_busy_sheds_with_429_when_configured() {
 }
 
 #[test]
+fn a_model_no_worker_serves_gets_404_from_the_filter() {
+    let vm = Vm::new(r#","models":["m"]"#);
+    let (_a, served) = vm.post("one");
+    assert_eq!(served, Action::Continue);
+    let (_b, other) = vm.post_json(serde_json::json!({"model":"other","prompt":"two"}));
+    assert_eq!(other, Action::Pause);
+    assert_eq!(vm.req_header("x-kvroute-cluster"), None);
+    let f = vm.fake.0.borrow();
+    let (status, _, body) = &f.sent[0];
+    assert_eq!(*status, 404);
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found");
+    drop(f);
+    assert_eq!(vm.counter("kvroute.requests.model_not_found.total"), 1);
+    assert_eq!(vm.counter("kvroute.requests.routed.total"), 1);
+    // Passed through instead: the least-loaded worker, counted as a fallback.
+    let vm = Vm::new(r#","models":["m"],"unknown_model":"pass""#);
+    let (_c, a) = vm.post_json(serde_json::json!({"model":"other","prompt":"two"}));
+    assert_eq!(a, Action::Continue);
+    assert!(vm.req_header("x-kvroute-cluster").is_some());
+    assert_eq!(vm.counter("kvroute.fallbacks.unknown_model.total"), 1);
+    assert_eq!(vm.counter("kvroute.requests.model_not_found.total"), 0);
+}
+
+#[test]
 fn busy_workers_are_still_used_when_shedding_is_off() {
     let vm = Vm::new(r#","disaggregation":{"threshold_tokens":0},"busy":{"inflight_requests":1}"#);
     for p in ["one", "two", "three"] {

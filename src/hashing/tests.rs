@@ -25,6 +25,7 @@ fn text_request(text: &str) -> InferenceRequest<'_> {
         stream: false,
         include_usage: false,
         cache_salt: None,
+        cache_key: None,
         skipped_parts: 0,
     }
 }
@@ -517,6 +518,7 @@ mod props {
             stream: false,
             include_usage: false,
             cache_salt: None,
+            cache_key: None,
             skipped_parts: 0,
         }
     }
@@ -600,6 +602,7 @@ mod props {
                 stream: false,
                 include_usage: false,
                 cache_salt: None,
+                cache_key: None,
                 skipped_parts: 0,
             };
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();

@@ -174,7 +174,8 @@ impl Peers {
                 | Event::EngineRemoved { .. }
                 | Event::EngineCleared { .. }
                 | Event::EngineFeed { .. }
-                | Event::PeerGone { .. } => r.refused += 1,
+                | Event::PeerGone { .. }
+                | Event::Hinted { .. } => r.refused += 1,
             }
         }
         r

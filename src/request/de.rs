@@ -127,6 +127,7 @@ pub(super) struct Fields<'a> {
     pub stream: Option<bool>,
     pub include_usage: Option<bool>,
     pub cache_salt: Option<Cow<'a, str>>,
+    pub prompt_cache_key: Option<Cow<'a, str>>,
 }
 
 pub(super) struct BodyVisitor<'c> {
@@ -156,6 +157,9 @@ impl<'de> Visitor<'de> for BodyVisitor<'_> {
             match key.as_ref() {
                 "model" => f.model = read_str(&mut map, ctx, "model")?,
                 "cache_salt" => f.cache_salt = read_str(&mut map, ctx, "cache_salt")?,
+                "prompt_cache_key" => {
+                    f.prompt_cache_key = read_str(&mut map, ctx, "prompt_cache_key")?;
+                }
                 "stream" => f.stream = read(&mut map, ctx, "stream", "a boolean or null")?,
                 "stream_options" => {
                     f.include_usage = map.next_value_seed(StreamOptionsSeed(ctx))?

@@ -203,7 +203,7 @@ def test_dead_worker_every_request_still_answered():
 
 def test_unknown_model_falls_back_and_is_counted():
     fleet = decode_fleet(2)
-    with Stack(fleet, kvroute={"models": ["mock-model"]}) as s:
+    with Stack(fleet, kvroute={"models": ["mock-model"], "unknown_model": "pass"}) as s:
         status, h, _ = s.post("/v1/completions", completion("hello", model="other-model"))
         assert h.get("x-kvroute-fallback") == "unknown_model"
         assert status == 404  # the worker's answer, passed through
