@@ -28,7 +28,7 @@ PICKER = os.environ.get("KVROUTE_EXTPROC_PICKER") or os.path.join(ROOT, "target"
                                                                    "extproc_picker")
 
 # DYN_ROUTER_PREFILL_LOAD_SCALE of the -tuned policies (Dynamo's default is 1).
-TUNED_SCALE = 16.0
+TUNED_SCALE = 32.0
 # policy -> (KV events on, prefill_load_scale or None for Dynamo's default)
 DYNAMO = {"dynamo-kv": (True, None), "dynamo-kv-tuned": (True, TUNED_SCALE),
           "dynamo-approx": (False, None), "dynamo-approx-tuned": (False, TUNED_SCALE)}
@@ -80,7 +80,8 @@ def start(h, cfg, policy, ws, logdir):
     h.wait_until(lambda: (h.http("GET", surl + "/ready")[0] == 200, None), 30, "dynamo select_service /ready", [sel])
     gport = h.free_port()
     glue = h.Procs.start([DYNAMO_PY, GLUE, "--port", str(gport), "--select", surl,
-                          "--workers", ",".join(w["url"] for w in workers)], os.path.join(logdir, "glue.log"))
+                          "--workers", ",".join(w["url"] for w in workers),
+                          "--stats", os.path.join(logdir, "glue-stats.json")], os.path.join(logdir, "glue.log"))
     with open(os.path.join(logdir, "dynamo.json"), "w") as f:
         json.dump(dict(env=env, select_url=surl), f)
     return [sel, glue], f"http://127.0.0.1:{gport}", {"router": [sel], "glue": [glue]}
@@ -101,6 +102,13 @@ def start_kv_aware(h, cfg, workers, logdir):
         argv += ["--kv-event-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_events']}",
                  "--kv-event-replay-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_replay']}"]
     return h.Procs.start(argv, os.path.join(logdir, "router.log")), f"http://127.0.0.1:{port}"
+
+
+def glue_stats(h, url):
+    """The glue's own numbers so far (bench/dynamo_glue.py's /_glue/stats): requests routed and
+    the wall ms from a request's body read to the worker named (tokenize + selection), p50/p90/p99."""
+    st, _, b = h.http("GET", url + "/_glue/stats")
+    return json.loads(b) if st == 200 else None
 
 
 # ---------------------------------------------------------------- the ext_proc floor

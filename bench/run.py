@@ -163,10 +163,12 @@ POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "
 # kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
 # kvroute-tuned), they add two runs per load to make bench's 40-minute budget, and
 # kvroute-precise needs target/release/kvroute-relay, which make bench-deps does not build.
+# Issue 43's peers (Dynamo's KV router in both modes, at its defaults and at the swept
+# prefill_load_scale, and vllm-router's kv_aware) run by default too.
 DEFAULT_POLICIES = ["kvroute", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
-                    "vllm-router-cache-aware", "oracle"]
-# The peers kvroute's targets compare against (issue 11), and the baseline of the 3x target.
-PEERS = ["sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"]
+                    "vllm-router-cache-aware", "oracle"] + peers_dynamo.POLICIES
+# The peers kvroute's targets compare against (issues 11, 43), and the baseline of the 3x target.
+PEERS = ["sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"] + peers_dynamo.POLICIES
 # Targets by scenario: goodput >= 1.2x the best peer at the 2 s SLO; >= 3x round-robin at 2 s.
 TARGET_1_2X_PEER = ["shared-context", "agentic", "docqa"]
 TARGET_3X_RR = ["shared-context", "docqa"]
@@ -885,6 +887,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             if cpu_parts:
                 s["cpu_parts_ms_per_request"] = {k: round(1e3 * (parts1[k] - parts0[k]) / max(1, s["requests"]), 3)
                                                  for k in cpu_parts}
+            if "glue" in cpu_parts and n_gw == 1:
+                s["glue"] = peers_dynamo.glue_stats(sys.modules[__name__], url)
         s["fleet_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
         if precise is not None:
             # What the filter did with tokenization and the relay stream, and (precise) the
@@ -947,6 +951,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request"
                + "".join(f" ({k} {v:.2f})" for k, v in s.get("cpu_parts_ms_per_request", {}).items())
                + ", " if "router_cpu_s" in s else "")
+            + (f"glue pick p50/p90 {s['glue']['pick_ms'].get('p50')}/{s['glue']['pick_ms'].get('p90')} ms wall "
+               f"(tokenize {s['glue']['tokenize_ms'].get('p50')}/{s['glue']['tokenize_ms'].get('p90')}), "
+               if (s.get("glue") or {}).get("pick_ms") else "")
             + f"{s['wall_s']:.0f} s wall"
             + ("" if precise is None else " | " + precise_text(precise))
             + ("" if sharing is None else " | " + sharing_text(sharing)))

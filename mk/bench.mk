@@ -1,5 +1,6 @@
 # Benchmark suite (bench/README.md): `make bench` runs the default policies (kvroute, Envoy
-# round-robin and ring-hash, sglang-router, vllm-router, the oracle envelope) on every scenario
+# round-robin and ring-hash, sglang-router, vllm-router cache_aware and kv_aware, Dynamo's KV
+# router in its event and approximate modes, the oracle envelope) on every scenario
 # (bench/scenarios.py) at three loads, held-out split, bisects goodput at the 2 s SLO (kvroute
 # and the best peer) with 2 runs per deciding load, plus the proxy-overhead test
 # (<= 40 min on 2 cores, estimated); `make bench-scenarios` (= `make bench-quick`) runs the
@@ -57,9 +58,10 @@ bench: bench-deps
 
 # shared-context, agentic and docqa, held-out seeds, two loads each (round-robin near half of
 # its saturation and near it), kvroute against sglang-router and Envoy's round-robin and
-# ring-hash; no overhead step (`make overhead`). The old Mooncake quick run:
-# bench/run.py --preset quick --scenario conversation.
-BENCH_SCENARIOS_POLICIES := kvroute,sglang-cache-aware,envoy-round-robin,envoy-ring-hash
+# ring-hash, and Dynamo's KV router on the workers' KV events at its recommended
+# prefill_load_scale (dynamo-kv-tuned, issue 43); no overhead step (`make overhead`). The old
+# Mooncake quick run: bench/run.py --preset quick --scenario conversation.
+BENCH_SCENARIOS_POLICIES := kvroute,sglang-cache-aware,envoy-round-robin,envoy-ring-hash,dynamo-kv-tuned
 
 .PHONY: bench-scenarios
 bench-scenarios: bench-deps
