@@ -187,23 +187,71 @@ fn object(pairs: &[(String, u64)]) -> serde_json::Value {
     )
 }
 
+/// The rungs of the reuse ladder, in order (`crate::ladder`), after the prompt tokens they
+/// are shares of.
+const RUNGS: [&str; 5] = ["prompt", "workload", "fleet", "routed", "served"];
+
+/// The reuse ladder out of the counters `reuse_<rung>` (requests whose engine reported its
+/// cached tokens) and `reuse_unreported_<rung>` (the others, without `served`): tokens per
+/// rung and each rung's share of the prompt tokens. `None` without the counters.
+fn ladder(pairs: &[(String, u64)]) -> Option<serde_json::Value> {
+    let get = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+    let part = |prefix: &str| {
+        let prompt = get(&format!("{prefix}prompt"))?;
+        let mut tokens = serde_json::Map::new();
+        let mut share = serde_json::Map::new();
+        for r in RUNGS {
+            let Some(v) = get(&format!("{prefix}{r}")) else {
+                continue;
+            };
+            tokens.insert(r.into(), v.into());
+            if r != "prompt" && prompt > 0 {
+                let x = (v as f64 / prompt as f64 * 1000.0).round() / 1000.0;
+                share.insert(r.into(), x.into());
+            }
+        }
+        let mut m = serde_json::Map::new();
+        m.insert("tokens".into(), tokens.into());
+        m.insert("share".into(), share.into());
+        Some(serde_json::Value::Object(m))
+    };
+    let mut m = serde_json::Map::new();
+    m.insert("reported".into(), part("reuse_")?);
+    if let Some(u) = part("reuse_unreported_") {
+        m.insert("unreported".into(), u);
+    }
+    Some(serde_json::Value::Object(m))
+}
+
 impl Page {
-    /// The JSON body. Counters are objects keyed by name, windows keyed `last_60s`, ....
+    /// The JSON body. Counters are objects keyed by name, windows keyed `last_60s`, ...; the
+    /// reuse ladder, when its counters are there, also on its own (`ladder`, same keys).
     pub fn to_json(&self) -> Vec<u8> {
         let mut v = serde_json::to_value(self).unwrap_or(serde_json::Value::Null);
+        let mut ladders = serde_json::Map::new();
         if let Some(c) = v.get_mut("counters") {
             let mut out = serde_json::Map::new();
             out.insert("total".into(), object(&self.counters.total));
+            if let Some(l) = ladder(&self.counters.total) {
+                ladders.insert("total".into(), l);
+            }
             for s in &self.counters.windows {
+                let key = format!("last_{}s", s.window_ms / 1000);
                 let mut m = serde_json::Map::new();
                 m.insert("span_ms".into(), s.span_ms.into());
                 m.insert("grew".into(), object(&s.grew));
-                out.insert(
-                    format!("last_{}s", s.window_ms / 1000),
-                    serde_json::Value::Object(m),
-                );
+                out.insert(key.clone(), serde_json::Value::Object(m));
+                if let Some(mut l) = ladder(&s.grew) {
+                    if let Some(o) = l.as_object_mut() {
+                        o.insert("span_ms".into(), s.span_ms.into());
+                    }
+                    ladders.insert(key, l);
+                }
             }
             *c = serde_json::Value::Object(out);
+        }
+        if let (Some(o), false) = (v.as_object_mut(), ladders.is_empty()) {
+            o.insert("ladder".into(), serde_json::Value::Object(ladders));
         }
         serde_json::to_vec(&v).unwrap_or_default()
     }
@@ -310,6 +358,51 @@ mod tests {
         assert_eq!(v["workers"][0]["report"]["waiting"], 1);
         assert_eq!(v["precise"]["enabled"], false);
         assert_eq!(v["precise"]["last_update_age_ms"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn ladder_view_has_tokens_and_shares_per_window() {
+        let names = [
+            "routed",
+            "reuse_prompt",
+            "reuse_workload",
+            "reuse_fleet",
+            "reuse_routed",
+            "reuse_served",
+            "reuse_unreported_prompt",
+            "reuse_unreported_routed",
+        ];
+        let mut w = Window::default();
+        w.push(0, vec![0, 1000, 800, 600, 500, 400, 0, 0]);
+        let page = Page {
+            counters: Counters::build(
+                &names,
+                &[5, 3000, 2400, 1800, 1500, 1000, 64, 32],
+                &w,
+                20_000,
+            ),
+            ..Page::default()
+        };
+        let v: serde_json::Value = serde_json::from_slice(&page.to_json()).unwrap();
+        let total = &v["ladder"]["total"]["reported"];
+        assert_eq!(total["tokens"]["prompt"], 3000);
+        assert_eq!(total["tokens"]["served"], 1000);
+        assert_eq!(total["share"]["workload"], 0.8);
+        assert_eq!(total["share"]["served"], 0.333);
+        assert_eq!(total["share"].get("prompt"), None);
+        let last = &v["ladder"]["last_60s"];
+        assert_eq!(last["span_ms"], 20_000);
+        assert_eq!(last["reported"]["tokens"]["routed"], 1000);
+        assert_eq!(last["reported"]["share"]["routed"], 0.5);
+        assert_eq!(last["unreported"]["share"]["routed"], 0.5);
+        assert_eq!(last["unreported"]["tokens"].get("served"), None);
+        // Without the ladder's counters there is no ladder.
+        let page = Page {
+            counters: Counters::build(&["routed"], &[5], &w, 20_000),
+            ..Page::default()
+        };
+        let v: serde_json::Value = serde_json::from_slice(&page.to_json()).unwrap();
+        assert_eq!(v.get("ladder"), None);
     }
 
     #[test]
