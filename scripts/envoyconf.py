@@ -49,10 +49,16 @@ class Upstream:
     port: int
     role: str = "both"
     kv_blocks: int = 4096
+    # kvroute's workers[].models; empty: any model.
+    models: tuple = ()
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def shares_a_model(self, other: "Upstream") -> bool:
+        """Whether a request for one of this worker's models may go to `other`."""
+        return not self.models or not other.models or bool(set(self.models) & set(other.models))
 
 
 @dataclass
@@ -249,7 +255,8 @@ def worker_clusters(site: Site, fleet: list[Upstream]) -> list:
         out.append(Note("max_retries: a worker that dies with many requests still waiting for their first\n"
                         "byte gets each of them retried (Envoy's default allows 3 retries at once per cluster)."))
     for w in fleet:
-        pool = [o for o in fleet if (o.role == "prefill") == (w.role == "prefill") and o is not w]
+        pool = [o for o in fleet if (o.role == "prefill") == (w.role == "prefill") and o is not w
+                and w.shares_a_model(o)]
         endpoints = [{"priority": 0, "lb_endpoints": [_endpoint(site, w)]}]
         if pool:
             endpoints.append({"priority": 1, "lb_endpoints": [_endpoint(site, o) for o in pool]})
@@ -278,7 +285,8 @@ def plugin_text(cfg: dict) -> str:
 
 
 def plugin_workers(fleet: list[Upstream]) -> list[dict]:
-    return [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "role": w.role, "kv_blocks": w.kv_blocks}
+    return [{"name": w.name, "cluster": w.name, "endpoint": w.endpoint, "role": w.role, "kv_blocks": w.kv_blocks,
+             **({"models": list(w.models)} if w.models else {})}
             for w in fleet]
 
 

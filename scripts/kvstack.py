@@ -112,7 +112,7 @@ def envoy_config(workers: list[Worker], listen: int, admin: int, kvroute: dict |
     `kvroute` (the plugin config) the wasm filter steers by cluster header; without it every
     decode worker sits in one cluster balanced by `policy`. `site`: envoyconf.Site fields
     to change (timeouts, limits)."""
-    fleet = [envoyconf.Upstream(w.name, "127.0.0.1", w.port, w.role, w.kv_blocks) for w in workers]
+    fleet = [envoyconf.Upstream(w.name, "127.0.0.1", w.port, w.role, w.kv_blocks, tuple(w.models)) for w in workers]
     site = envoyconf.Site(listen=("127.0.0.1", listen), admin=("127.0.0.1", admin), wasm=WASM, **(site or {}))
     return envoyconf.plain(envoyconf.bootstrap(site, fleet, kvroute, policy))
 
