@@ -124,6 +124,8 @@ struct WorkerLoad {
     /// Requests routed here, decaying like `fresh_blocks` (same clock and half-life).
     recent_requests: f64,
     fresh_at_ms: u64,
+    /// `workers[].speed`: predicted prefills take 1 / speed of the time (0: unset, 1).
+    speed: f64,
 }
 
 impl WorkerLoad {
@@ -206,6 +208,16 @@ impl LoadTable {
         }
     }
 
+    /// Worker `w`'s relative throughput (`workers[].speed`): its predicted prefills decay in
+    /// 1 / speed of the time. Ignored unless finite and > 0.
+    pub fn set_speed(&mut self, w: WorkerId, speed: f64) {
+        if let Some(wl) = self.workers.get_mut(usize::from(w)) {
+            if speed.is_finite() && speed > 0.0 {
+                wl.speed = speed;
+            }
+        }
+    }
+
     pub fn active_requests(&self) -> usize {
         self.active.len()
     }
@@ -284,8 +296,10 @@ impl LoadTable {
                 // Prefills run one after another on a worker: this one starts when the
                 // previously predicted ones are done (oldest first).
                 start = r.now_ms.max(pw.prefill_horizon_ms);
-                dur = p.prefill_overhead_ms
-                    + (f64::from(r.prefill_tokens) * 1000.0 / p.prefill_tokens_per_s) as u64;
+                let speed = if pw.speed > 0.0 { pw.speed } else { 1.0 };
+                dur = ((p.prefill_overhead_ms as f64
+                    + f64::from(r.prefill_tokens) * 1000.0 / p.prefill_tokens_per_s)
+                    / speed) as u64;
                 pw.prefill_horizon_ms = start.saturating_add(dur);
                 pw.prefill_tokens += u64::from(r.prefill_tokens);
                 pw.pending.push(r.id);
@@ -723,6 +737,13 @@ mod tests {
         assert_eq!(t.view(0, 500, 0).prefill_tokens, 1500.0);
         assert_eq!(t.view(0, 1500, 0).prefill_tokens, 500.0);
         assert_eq!(t.view(0, 5000, 0).prefill_tokens, 0.0);
+        // Twice as fast: the same prefills are done in half the time.
+        let mut t = LoadTable::new(1, p);
+        t.set_speed(0, 2.0);
+        t.add(&req(1, 0, &[1], 0, 1000, 0));
+        t.add(&req(2, 0, &[2], 0, 1000, 0));
+        assert_eq!(t.view(0, 250, 0).prefill_tokens, 1500.0);
+        assert_eq!(t.view(0, 1000, 0).prefill_tokens, 0.0);
     }
 
     #[test]

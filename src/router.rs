@@ -215,7 +215,12 @@ impl Router {
             .map(|w| u64::from(cfg.kv_blocks(w)))
             .sum();
         index.reserve(usize::try_from(total.min(1 << 20)).unwrap_or(1 << 20));
-        let load = LoadTable::new(cfg.workers.len(), params);
+        let mut load = LoadTable::new(cfg.workers.len(), params);
+        for (i, w) in cfg.workers.iter().enumerate() {
+            if let Ok(id) = WorkerId::try_from(i) {
+                load.set_speed(id, w.speed);
+            }
+        }
         let chars_per_token = cfg.chars_per_token;
         let cfg_model_lists = cfg.has_model_lists();
         let calib = Calibrator::new(cfg.workers.len());
@@ -551,6 +556,11 @@ impl Router {
                 prefilling: view.prefilling,
                 stream,
                 max_tokens,
+                speed: self
+                    .cfg
+                    .workers
+                    .get(usize::from(target))
+                    .map_or(1.0, |c| c.speed),
             },
         );
         RouteResult::Routed(Decision {

@@ -31,6 +31,8 @@ pub struct Wait {
     pub prefilling: u32,
     pub stream: bool,
     pub max_tokens: Option<u32>,
+    /// The worker's `workers[].speed`: its prefill takes 1 / speed of the time.
+    pub speed: f64,
 }
 
 /// Milliseconds a try may wait for response headers, or `None` for no bound.
@@ -44,8 +46,14 @@ pub fn first_byte_timeout_ms(cfg: &Config, w: &Wait) -> Option<u64> {
     } else {
         f64::from(w.max_tokens?) * h.output_token_ms as f64
     };
-    let prefill_ms = w.prefill_tokens.max(0.0) / cfg.load.prefill_tokens_per_s * 1000.0
-        + f64::from(w.prefilling) * cfg.load.prefill_overhead_ms as f64;
+    let speed = if w.speed.is_finite() && w.speed > 0.0 {
+        w.speed
+    } else {
+        1.0
+    };
+    let prefill_ms = (w.prefill_tokens.max(0.0) / cfg.load.prefill_tokens_per_s * 1000.0
+        + f64::from(w.prefilling) * cfg.load.prefill_overhead_ms as f64)
+        / speed;
     let ms = h.first_byte_timeout_ms as f64 + h.prefill_slack * prefill_ms + output_ms;
     // Envoy reads the header as a u64; past a day it is no bound anyway.
     Some(ms.clamp(1.0, 86_400_000.0) as u64)
@@ -63,7 +71,27 @@ mod tests {
             prefilling: 1,
             stream,
             max_tokens,
+            speed: 1.0,
         }
+    }
+
+    #[test]
+    fn a_slower_worker_gets_longer_for_its_prefill() {
+        let c = Config::default();
+        let at = |speed| {
+            first_byte_timeout_ms(
+                &c,
+                &Wait {
+                    speed,
+                    ..wait(100_000.0, true, None)
+                },
+            )
+            .unwrap()
+        };
+        // 30 s + 4 x (10 s + 20 ms) at speed 1.
+        assert_eq!(at(1.0), 70_080);
+        assert_eq!(at(0.5), 110_160);
+        assert_eq!(at(0.0), at(1.0));
     }
 
     #[test]
