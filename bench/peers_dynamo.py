@@ -6,8 +6,9 @@
   ZMQ KV events; `-approx` is its approximate mode (DYN_ROUTER_USE_KV_EVENTS=false: it predicts
   the caches from its own routing). Plain names run Dynamo's defaults; `-tuned` sets
   DYN_ROUTER_PREFILL_LOAD_SCALE to TUNED_SCALE (Dynamo's own sweep recommends 16-32; the value
-  here was picked by a dev-split sweep, bench/README.md). bench/dynamo_glue.py carries the
-  requests (tokenize, select_and_reserve, forward, prefill_complete, free) and decides nothing.
+  here was picked by a dev-split sweep, bench/README.md). Our glue (dynamo-glue, Rust, beside
+  the mock worker) carries the requests (tokenize, select_and_reserve, forward,
+  prefill_complete, free) and decides nothing.
 - `vllm-router-kv-aware`: vllm-router's `kv_aware` policy fed by the workers' KV events
   (`--kv-event-source URL=tcp://...`).
 - The ext_proc floor (`make overhead`): Envoy with an ext_proc filter calling the least endpoint
@@ -22,7 +23,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
 DYNAMO_PY = os.path.join(BUILD, "dynamo-venv", "bin", "python")
-GLUE = os.path.join(ROOT, "bench", "dynamo_glue.py")
+# Our glue in front of it (examples/mock-worker/src/bin/dynamo-glue.rs, built with the mock).
+GLUE = os.path.join(ROOT, "target", "release", "dynamo-glue")
 VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
 PICKER = os.environ.get("KVROUTE_EXTPROC_PICKER") or os.path.join(ROOT, "target", "relay", "examples",
                                                                    "extproc_picker")
@@ -79,9 +81,10 @@ def start(h, cfg, policy, ws, logdir):
             raise RuntimeError(f"dynamo select_service: POST /workers {w['name']}: HTTP {st} {b[:300]!r}")
     h.wait_until(lambda: (h.http("GET", surl + "/ready")[0] == 200, None), 30, "dynamo select_service /ready", [sel])
     gport = h.free_port()
-    glue = h.Procs.start([DYNAMO_PY, GLUE, "--port", str(gport), "--select", surl,
-                          "--workers", ",".join(w["url"] for w in workers),
-                          "--stats", os.path.join(logdir, "glue-stats.json")], os.path.join(logdir, "glue.log"))
+    if not os.path.exists(GLUE):
+        raise RuntimeError(f"{GLUE} not built (cargo build --release -p mock-worker)")
+    glue = h.Procs.start([GLUE, "--port", str(gport), "--select", surl,
+                          "--workers", ",".join(w["url"] for w in workers)], os.path.join(logdir, "glue.log"))
     with open(os.path.join(logdir, "dynamo.json"), "w") as f:
         json.dump(dict(env=env, select_url=surl), f)
     return [sel, glue], f"http://127.0.0.1:{gport}", {"router": [sel], "glue": [glue]}
@@ -105,8 +108,9 @@ def start_kv_aware(h, cfg, workers, logdir):
 
 
 def glue_stats(h, url):
-    """The glue's own numbers so far (bench/dynamo_glue.py's /_glue/stats): requests routed and
-    the wall ms from a request's body read to the worker named (tokenize + selection), p50/p90/p99."""
+    """The glue's own numbers so far (its /_glue/stats): requests routed, and the wall ms from a
+    request's body read to the worker named (tokenize + selection) and of the tokenize call,
+    p50/p90/p99."""
     st, _, b = h.http("GET", url + "/_glue/stats")
     return json.loads(b) if st == 200 else None
 

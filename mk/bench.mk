@@ -34,11 +34,11 @@ build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION):
 	-python3 -m venv build/vllmr-venv && build/vllmr-venv/bin/pip install -q \
 		--disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION) && touch $@
 
-# Dynamo's KV router (its selection service, in ai-dynamo-runtime) with aiohttp for our glue
-# in front of it (bench/dynamo_glue.py): the dynamo-* policies (bench/peers_dynamo.py).
+# Dynamo's KV router (its selection service, in ai-dynamo-runtime); our glue in front of it
+# (dynamo-glue, built with mock-worker): the dynamo-* policies (bench/peers_dynamo.py).
 build/dynamo-venv/.installed-$(DYNAMO_VERSION):
 	-python3 -m venv build/dynamo-venv && build/dynamo-venv/bin/pip install -q \
-		--disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION) aiohttp && touch $@
+		--disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION) && touch $@
 
 # The ext_proc floor of the overhead step: a minimal gRPC endpoint picker for Envoy's ext_proc.
 .PHONY: extproc-picker
