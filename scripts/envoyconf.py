@@ -682,15 +682,16 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
         "filter holds one gRPC stream to it per Envoy process and routes on what the engines",
         "report holding. Without the relay it routes on its own predictions, as envoy/demo.yaml.",
         "The relay demands a token: start Envoy with it in KVROUTE_RELAY_TOKEN (`make run` does)."])
-    # Text prompts must be tokenized for the engines' events to match them: the first decode
-    # worker's cluster (which fails over to the pool) answers POST /tokenize.
+    # Text prompts are mapped to the engines' blocks through POST /tokenize, called beside each
+    # request (never on its path): the first decode worker's cluster (which fails over to the
+    # pool) answers it.
     precise_plugin = {**demo_plugin, "relay": {"cluster": RELAY_CLUSTER},
-                      "tokenize": {"cluster": demo_plugin["workers"][0]["cluster"], "timeout_ms": 100}}
+                      "tokenize": {"cluster": demo_plugin["workers"][0]["cluster"]}}
     # The compose gateways: precise mode and decision sharing through their relays; any decode
     # worker tokenizes as all of them do, so the round-robin decode pool answers /tokenize.
     compose_plugin = {"workers": plugin_workers(compose_fleet()), **DEMO_OPTIONS,
                       "relay": {"cluster": RELAY_CLUSTER},
-                      "tokenize": {"cluster": "decode-pool", "timeout_ms": 100}}
+                      "tokenize": {"cluster": "decode-pool"}}
     return {
         "envoy/demo.yaml": (demo, demo_fleet(), demo_plugin),
         "envoy/demo-precise.yaml": (precise, demo_fleet(), precise_plugin),

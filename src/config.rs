@@ -514,9 +514,9 @@ impl Default for RelayConfig {
     }
 }
 
-/// Exact token ids for text and chat prompts from an engine's tokenizer (`POST /tokenize`)
-/// before routing: needed for the engines' KV events (precise mode) to match text prompts.
-/// Costs one call per request; a call not answered in time routes on the text as usual.
+/// Token ids for text and chat prompts from an engine's tokenizer (`POST /tokenize`), asked
+/// beside the request (never on its path) while a worker is engine-fed: they map the prompt's
+/// text blocks to the engines' blocks, so precise mode sees text prompts (see `twins`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TokenizeConfig {
@@ -524,7 +524,7 @@ pub struct TokenizeConfig {
     /// pool, or any one of them). Empty: off.
     pub cluster: String,
     pub path: String,
-    /// Waiting longer routes on the text (counted); the request is never failed for it.
+    /// An answer later than this teaches nothing (counted as failed); requests never wait.
     pub timeout_ms: u64,
     /// A longer answer is not read (routed on the text).
     pub max_bytes: u32,
@@ -535,7 +535,7 @@ impl Default for TokenizeConfig {
         Self {
             cluster: String::new(),
             path: "/tokenize".into(),
-            timeout_ms: 100,
+            timeout_ms: 1_000,
             max_bytes: 8 << 20,
         }
     }
@@ -1123,7 +1123,7 @@ mod tests {
         let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
         assert_eq!(
             (c.tokenize.cluster.as_str(), c.tokenize.timeout_ms),
-            ("", 100)
+            ("", 1_000)
         );
         for (json, field) in [
             (r#"{"cluster":"a b"}"#, "tokenize.cluster"),

@@ -36,6 +36,7 @@ const TAG_ENGINE_CLEARED: u8 = 12;
 const TAG_ENGINE_FEED: u8 = 13;
 const TAG_PEER_GONE: u8 = 14;
 const TAG_HINTED: u8 = 15;
+const TAG_TEXT_TOKENS: u8 = 16;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -106,6 +107,12 @@ pub enum Event {
         worker: WorkerId,
         hash: u64,
     },
+    /// Text blocks and the engine blocks they end in, learned from a tokenize answer (see
+    /// `twins`): `text[i]` ends in `tokens[i]`.
+    TextTokens {
+        text: Vec<u64>,
+        tokens: Vec<u64>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +174,7 @@ impl Event {
             Event::EngineFeed { .. } => TAG_ENGINE_FEED,
             Event::PeerGone { .. } => TAG_PEER_GONE,
             Event::Hinted { .. } => TAG_HINTED,
+            Event::TextTokens { .. } => TAG_TEXT_TOKENS,
         }
     }
 }
@@ -212,6 +220,10 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
         Event::Hinted { worker, hash } => {
             put_u16(o, *worker);
             put_u64(o, *hash);
+        }
+        Event::TextTokens { text, tokens } => {
+            put_hashes(o, text);
+            put_hashes(o, tokens);
         }
     }
 }
@@ -432,6 +444,14 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             worker: r.u16().ok_or(t)?,
             hash: r.u64().ok_or(t)?,
         },
+        TAG_TEXT_TOKENS => {
+            let text = r.hashes().ok_or(t)?;
+            let tokens = r.hashes().ok_or(t)?;
+            if text.len() != tokens.len() {
+                return Err(DecodeError::Invalid);
+            }
+            Event::TextTokens { text, tokens }
+        }
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -578,6 +598,10 @@ mod tests {
             Event::Hinted {
                 worker: 2,
                 hash: u64::MAX - 1,
+            },
+            Event::TextTokens {
+                text: vec![1, 2],
+                tokens: vec![3, u64::MAX],
             },
         ]
     }

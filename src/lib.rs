@@ -24,6 +24,7 @@ pub mod stall;
 pub mod status;
 pub mod steer;
 pub mod tokenize;
+pub mod twins;
 
 #[cfg(feature = "filter")]
 mod filter;

@@ -16,6 +16,7 @@ use crate::request::{parse, ApiKind, ParseError, Prompt};
 use crate::rng::Rng;
 use crate::select::{self, Candidate, Outcome, RequestShape, SelectParams};
 use crate::stall;
+use crate::twins::Twins;
 use std::collections::VecDeque;
 
 /// Why a request was not cache-routed (it still goes to the least-loaded healthy worker).
@@ -167,6 +168,8 @@ pub struct Router {
     usage_streams: u64,
     /// Some worker serves only listed models: pools are filtered by the request's model.
     model_lists: bool,
+    /// Text blocks -> the engine blocks they end in (`tokenize` answers, see `twins`).
+    twins: Twins,
 }
 
 /// Streams with usage a VM reads in full before sampling (`limits.usage_read_every`): the
@@ -248,6 +251,7 @@ impl Router {
             families,
             usage_streams: 0,
             model_lists: cfg_model_lists,
+            twins: Twins::new(hash_key ^ 0x7477_696e),
         }
     }
 
@@ -416,6 +420,9 @@ impl Router {
         self.end_continued_peer_requests(&ph.blocks, now_ms);
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
+        if !ph.exact {
+            self.engine_held_text(&ph.blocks, now_ms, &mut confirmed);
+        }
         self.speculative
             .extend_confirmed(&ph.blocks, &mut confirmed);
         let mut held = confirmed.clone();
@@ -790,6 +797,7 @@ impl Router {
                 self.index.insert(*worker, hashes, now_ms);
                 self.settle_confirmed(*worker, now_ms, false);
             }
+            Event::TextTokens { text, tokens } => self.twins.learn(text, tokens),
             Event::PeerGone { tag } => {
                 self.purge_peer(*tag);
             }
@@ -876,6 +884,16 @@ impl Router {
         };
         let mut held = [0u32; crate::ids::MAX_WORKERS];
         self.index.lookup(&p.hashes, now_ms, &mut held);
+        // A pick routed on text: the engine reports its blocks under the token blocks the
+        // text was learned to end in.
+        let tr = self.twins.translate(&p.hashes);
+        if !tr.is_empty() {
+            let mut eng = [0u32; crate::ids::MAX_WORKERS];
+            self.index.lookup(&tr, now_ms, &mut eng);
+            for (h, e) in held.iter_mut().zip(eng) {
+                *h = (*h).max(e);
+            }
+        }
         let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
         let done = core::iter::once(p.worker)
             .chain(p.prefill)
@@ -884,6 +902,28 @@ impl Router {
             self.speculative.take(id);
         }
         done
+    }
+
+    /// A confirmed pick the engine has not reported within `relay.speculative_ms` leaves
+    /// the speculative entries. A pick on text that no tokenize answer mapped to engine blocks
+    /// yet (see `twins`) cannot be checked against the engine: it goes into the index as a
+    /// prediction, as in predicted mode, instead of vanishing (its document would look cold
+    /// to the next request, which cost precise mode hit rate when tokenize answers were late).
+    fn unreported(&mut self, id: RequestId, now_ms: u64) {
+        let Some(p) = self.speculative.take(id) else {
+            return;
+        };
+        if !self.twins.translate(&p.hashes).is_empty() {
+            return;
+        }
+        let mut held = [0u32; crate::ids::MAX_WORKERS];
+        self.index.lookup(&p.hashes, now_ms, &mut held);
+        let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
+        for w in core::iter::once(p.worker).chain(p.prefill) {
+            if held.get(usize::from(w)).is_some_and(|&n| n < full) {
+                self.index.insert(w, &p.hashes, now_ms);
+            }
+        }
     }
 
     /// After engine events for `worker`: confirmed picks on it that the engine has now
@@ -910,6 +950,60 @@ impl Router {
                 self.confirmed.push_back((until, id));
             }
         }
+    }
+
+    /// Raises `out[w]` to the leading text blocks of `text` whose learned engine block worker
+    /// `w`'s engine reports holding (precise mode for text prompts, see `twins`).
+    fn engine_held_text(&self, text: &[u64], now_ms: u64, out: &mut [u32]) {
+        if !self.engine_fed.iter().any(|&f| f) {
+            return;
+        }
+        let tr = self.twins.translate(text);
+        if tr.is_empty() {
+            return;
+        }
+        let mut eng = vec![0u32; out.len()];
+        self.index.lookup(&tr, now_ms, &mut eng);
+        for (o, e) in out.iter_mut().zip(eng) {
+            *o = (*o).max(e);
+        }
+    }
+
+    /// Whether a tokenize answer for this text prompt would teach `twins` anything (and a
+    /// worker is engine-fed, the only case where it is used).
+    pub fn wants_tokens(&self, text: &[u64]) -> bool {
+        !text.is_empty() && self.engine_fed.iter().any(|&f| f) && self.twins.wants(text)
+    }
+
+    /// What a tokenize answer teaches: the request's text block hashes (`text`, as routed)
+    /// paired with the engine blocks they end in. `None` when the body no longer parses,
+    /// the prompt was token ids, or nothing pairs.
+    pub fn learn_tokens(
+        &mut self,
+        kind: ApiKind,
+        body: &[u8],
+        text: &[u64],
+        tokens: &[u32],
+        now_ms: u64,
+    ) -> Option<Event> {
+        let req = parse(kind, body).ok()?;
+        if matches!(req.prompt, Prompt::Tokens(_)) {
+            return None;
+        }
+        let params = HashParams::from_config(&self.cfg);
+        let ph = token_prompt_hashes(&req, tokens, &params, self.cfg.limits.max_blocks as usize);
+        let (t, k) = Twins::pairs(text, &ph.blocks);
+        if t.is_empty() {
+            return None;
+        }
+        let e = Event::TextTokens { text: t, tokens: k };
+        self.apply(&e, now_ms);
+        Some(e)
+    }
+
+    /// Text block mappings held (`kvroute_precise_text_blocks`).
+    pub fn twins_len(&self) -> usize {
+        self.twins.len()
     }
 
     /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.
@@ -1049,7 +1143,7 @@ impl Router {
                 break;
             }
             self.confirmed.pop_front();
-            self.speculative.take(id);
+            self.unreported(id, now_ms);
         }
         let stale = self.index.expire(now_ms, 4096);
         (lost, stale)
@@ -1647,7 +1741,7 @@ mod tests {
         }
         assert!(r.engine_fed(2) && !r.engine_fed(4));
         let text = doc(6, 8000);
-        let d = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 5));
         let w = usize::from(d.decode);
         let n = d.hashes().len() as u32;
         r.on_first_byte(&d, true, 10);
@@ -1656,11 +1750,15 @@ mod tests {
         // Confirmed on an engine-fed worker: still counted while the engine's event is due.
         r.held_blocks(d.hashes(), 30, &mut held);
         assert_eq!(held[w], n);
-        // The engine never reported it: after `relay.speculative_ms` it is not held.
+        // The engine never reported it and no tokenize answer mapped its text to engine
+        // blocks: after `relay.speculative_ms` it stays as a prediction (predicted mode's).
         r.tick(10 + 2_000);
         r.held_blocks(d.hashes(), 2_010, &mut held);
-        assert_eq!(held[w], 0, "a pick the engine never confirmed lingers");
+        assert_eq!(held[w], n, "an unmapped text pick is kept as a prediction");
         assert_eq!(r.speculative_requests(), 0);
+        r.apply(&Event::EngineCleared { worker: d.decode }, 2_020);
+        r.held_blocks(d.hashes(), 2_020, &mut held);
+        assert_eq!(held[w], 0, "a reset drops it");
         // What the engine reports is held, and a reset (restart) drops it at once.
         let other = (d.decode + 1) % 4;
         r.apply(
@@ -1694,7 +1792,45 @@ mod tests {
         r.tick(9_000);
         r.held_blocks(d.hashes(), 9_000, &mut held);
         let kept = usize::from(third.decode);
-        assert_eq!(held[kept], if r.engine_fed(third.decode) { 0 } else { n });
+        assert_eq!(held[kept], n);
+
+        // Once the text maps to engine blocks the engine's word decides, on every worker: a
+        // mapped pick it never reported is not held, and what it reports is held for text.
+        for w in 0..4 {
+            r.apply(&Event::EngineCleared { worker: w }, 9_100);
+            r.apply(
+                &Event::EngineFeed {
+                    worker: w,
+                    on: true,
+                },
+                9_100,
+            );
+        }
+        let toks: Vec<u64> = (0..u64::from(n)).map(|i| 0xabc0_0000 + i).collect();
+        let (t, k) = Twins::pairs(d.hashes(), &toks);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 9_100);
+        let fourth = routed(r.route(ApiKind::Completions, &completion(&text), 9_200));
+        assert_eq!(fourth.overlap_tokens, 0);
+        r.on_first_byte(&fourth, true, 9_210);
+        r.on_finish(&fourth, 9_220);
+        r.tick(9_210 + 2_000);
+        r.held_blocks(d.hashes(), 11_300, &mut held);
+        assert_eq!(
+            held[usize::from(fourth.decode)],
+            0,
+            "a mapped pick the engine never reported"
+        );
+        let holder = (fourth.decode + 2) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: holder,
+                hashes: toks.clone(),
+            },
+            11_400,
+        );
+        let fifth = routed(r.route(ApiKind::Completions, &completion(&text), 11_500));
+        assert_eq!(fifth.decode, holder);
+        assert!(fifth.overlap_tokens > 0);
     }
 
     #[test]

@@ -82,7 +82,6 @@ extern "C" {
     fn proxy_grpc_send(token: u32, message: *const u8, message_size: usize, end_stream: u32)
         -> u32;
     fn proxy_grpc_cancel(token: u32) -> u32;
-    fn proxy_continue_stream(stream_type: u32) -> u32;
 }
 
 /// The ABI's status codes (proxy-wasm spec), as far as the adapter tells them apart.
@@ -365,14 +364,6 @@ pub fn enqueue(id: u32, msg: &[u8]) -> Result<(), Status> {
 pub fn grpc_send(token: u32, msg: &[u8], end_stream: bool) -> Result<(), Status> {
     // SAFETY: the message is valid for its length; the host copies it.
     status(unsafe { proxy_grpc_send(token, msg.as_ptr(), msg.len(), u32::from(end_stream)) })
-}
-
-/// The ABI's `StreamType::HttpRequest`.
-const STREAM_HTTP_REQUEST: u32 = 0;
-
-pub fn resume_request() -> Result<(), Status> {
-    // SAFETY: a plain value argument.
-    status(unsafe { proxy_continue_stream(STREAM_HTTP_REQUEST) })
 }
 
 pub fn grpc_cancel(token: u32) -> Result<(), Status> {

@@ -39,8 +39,6 @@ pub trait Host {
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> HostResult<u32>;
-    /// Lets a request paused in a request callback go on (after an HTTP call's answer).
-    fn resume_request(&self) -> HostResult<()>;
     /// Opens a gRPC stream on an Envoy cluster; its messages and close arrive in the root
     /// context's `on_grpc_stream_message` / `on_grpc_stream_close` with the returned token.
     /// `metadata`: the stream's initial metadata (request headers).
@@ -128,10 +126,6 @@ impl Host for ProxyHost {
         // panics only on a status Envoy's http_call never returns (Ok, BadArgument for an
         // unknown cluster, InternalFailure).
         proxy_wasm::hostcalls::dispatch_http_call(cluster, headers.to_vec(), body, vec![], timeout)
-    }
-
-    fn resume_request(&self) -> HostResult<()> {
-        ffi::resume_request()
     }
 
     fn grpc_open(
@@ -292,10 +286,6 @@ impl Calls {
         timeout: Duration,
     ) -> Option<u32> {
         self.ok(self.host.http_call(cluster, headers, body, timeout))
-    }
-
-    pub fn resume_request(&self) {
-        self.ok(self.host.resume_request());
     }
 
     pub fn grpc_open(

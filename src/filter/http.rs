@@ -21,8 +21,9 @@ pub struct Http {
     st: Option<Rc<RefCell<State>>>,
     kind: Option<ApiKind>,
     routed: bool,
-    /// A tokenize call in flight: its token, the request body it is for, sent at (ns).
-    tokenizing: Option<(u32, Vec<u8>, u64)>,
+    /// A tokenize call in flight: its token, the request body it is for, sent at (ns), the
+    /// text block hashes the request was routed on.
+    tokenizing: Option<(u32, Vec<u8>, u64, Vec<u64>)>,
     decision: Option<Decision>,
     saw_response: bool,
     /// The response status was 2xx (its body confirms the request's blocks as computed).
@@ -71,27 +72,35 @@ impl Http {
         Some(f(&mut s))
     }
 
-    /// Routes the request, first asking an engine for its token ids when `tokenize` is on
-    /// and the prompt is text; the request then waits (paused) for the answer.
+    /// Routes the request on its text at once. With `tokenize` on and a worker engine-fed,
+    /// it then asks an engine for the prompt's token ids off the request path, unless every
+    /// text block but the last is already mapped: the answer teaches which engine block each
+    /// text block ends in (`twins`), so later prompts sharing it are looked up in what the
+    /// engines report.
     fn route_or_tokenize(&mut self, body: Vec<u8>) -> Action {
-        self.routed = true;
+        let action = self.route(&body, None);
+        if action != Action::Continue {
+            return action;
+        }
         let Some(kind) = self.kind else {
-            return Action::Continue;
+            return action;
+        };
+        let Some(text) = self.decision.as_ref().map(|d| d.hashes().to_vec()) else {
+            return action;
         };
         let call = self
             .with(|s| {
                 let c = s.router.config();
                 let t = &c.tokenize;
-                let fits = body.len() <= c.limits.max_route_bytes as usize;
-                (!t.cluster.is_empty() && fits)
+                (!t.cluster.is_empty() && s.router.wants_tokens(&text))
                     .then(|| (t.cluster.clone(), t.path.clone(), t.timeout_ms))
             })
             .flatten();
         let Some((cluster, path, timeout_ms)) = call else {
-            return self.route(&body, None);
+            return action;
         };
         let Some(req) = crate::tokenize::request_body(kind, &body) else {
-            return self.route(&body, None);
+            return action;
         };
         let headers = [
             (":method", "POST"),
@@ -101,15 +110,12 @@ impl Http {
         ];
         let timeout = std::time::Duration::from_millis(timeout_ms);
         match self.host.http_call(&cluster, &headers, Some(&req), timeout) {
-            Some(token) => {
-                self.tokenizing = Some((token, body, self.host.now_ns()));
-                Action::Pause
-            }
+            Some(token) => self.tokenizing = Some((token, body, self.host.now_ns(), text)),
             None => {
                 self.with(|s| s.metrics.tokenize_failed.inc());
-                self.route(&body, None)
             }
         }
+        action
     }
 
     fn route(&mut self, body: &[u8], tokens: Option<&[u32]>) -> Action {
@@ -426,11 +432,11 @@ impl Context for Http {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some((token, body, sent_ns)) = self.tokenizing.take() else {
+        let Some((token, body, sent_ns, text)) = self.tokenizing.take() else {
             return;
         };
         if token != token_id {
-            self.tokenizing = Some((token, body, sent_ns));
+            self.tokenizing = Some((token, body, sent_ns, text));
             return;
         }
         let host = &self.host;
@@ -449,18 +455,25 @@ impl Context for Http {
         } else {
             None
         };
-        let waited_us = host.now_ns().saturating_sub(sent_ns) / 1000;
+        let now_ns = host.now_ns();
+        let waited_us = now_ns.saturating_sub(sent_ns) / 1000;
+        let kind = self.kind;
         self.with(|s| {
             s.metrics.tokenize_us.record(waited_us);
-            if tokens.is_some() {
-                s.metrics.tokenize_ok.inc();
-            } else {
+            let Some(tokens) = tokens else {
                 s.metrics.tokenize_failed.inc();
+                return;
+            };
+            s.metrics.tokenize_ok.inc();
+            let learned = kind.and_then(|k| {
+                s.router
+                    .learn_tokens(k, &body, &text, &tokens, now_ns / 1_000_000)
+            });
+            if let Some(e) = learned {
+                s.broadcast(std::slice::from_ref(&e));
             }
+            s.metrics.text_blocks.record(s.router.twins_len() as u64);
         });
-        if self.route(&body, tokens.as_deref()) == Action::Continue {
-            self.host.resume_request();
-        }
     }
 }
 

@@ -105,8 +105,8 @@ pub struct Metrics {
     pub precise_delay_us: Id,
     /// The engine's event (its batch timestamp) to this VM's index.
     pub precise_engine_delay_us: Id,
-    /// Tokenize calls answered with token ids, and those that failed or timed out (routed
-    /// on the text); the wait they added.
+    /// Tokenize calls (off the request path) answered with token ids, and those that failed
+    /// or timed out; how long the answer took.
     /// Decisions shared with other gateways through the relay: sent, dropped (stream down
     /// or slow), received, unreadable; peers gone; delay from the peer's relay to here.
     pub peers_sent: Id,
@@ -121,6 +121,8 @@ pub struct Metrics {
     pub tokenize_ok: Id,
     pub tokenize_failed: Id,
     pub tokenize_us: Id,
+    /// Text blocks whose engine block this VM has learned (`twins`).
+    pub text_blocks: Id,
     pub workers: Vec<WorkerMetrics>,
 }
 
@@ -194,6 +196,7 @@ impl Metrics {
             tokenize_ok: c("kvroute.tokenize.ok.total"),
             tokenize_failed: c("kvroute.tokenize.failed.total"),
             tokenize_us: h("kvroute.tokenize_us"),
+            text_blocks: g("kvroute.precise.text_blocks"),
             workers: worker_names
                 .iter()
                 .map(|w| WorkerMetrics {

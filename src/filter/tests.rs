@@ -46,8 +46,6 @@ struct Fake {
     call_body: Vec<u8>,
     /// Bodies of the HTTP calls made, in `calls` order.
     call_bodies: Vec<Option<Vec<u8>>>,
-    /// Requests resumed after a pause.
-    resumed: u32,
     /// gRPC streams opened: token, cluster, service/method; messages sent; cancelled.
     grpc_opened: Vec<(u32, String, String)>,
     /// Each opened stream's initial metadata, in `grpc_opened` order.
@@ -236,11 +234,6 @@ impl Host for FakeHost {
             .borrow_mut()
             .grpc_sent
             .push((token, msg.to_vec(), end_stream));
-        Ok(())
-    }
-
-    fn resume_request(&self) -> HostResult<()> {
-        self.0.borrow_mut().resumed += 1;
         Ok(())
     }
 
@@ -1608,64 +1601,102 @@ impl Vm {
 }
 
 #[test]
-fn text_prompts_route_on_the_engines_token_ids_when_tokenize_is_on() {
-    let vm = Vm::new(TOKENIZE);
-    let (mut h, action) = vm.post("a text prompt");
-    assert_eq!(action, Action::Pause, "waits for the tokenizer");
-    assert!(h.decision().is_none());
-    let (token, cluster, headers) = vm.f().calls[0].clone();
+fn text_prompts_route_at_once_and_tokenize_teaches_every_vm_the_engine_blocks() {
+    use crate::precise::wire::Phase;
+    let cfg = format!(
+        "{PRECISE}{}",
+        &TOKENIZE[TOKENIZE.find(",\"tokenize\"").unwrap()..]
+    );
+    let (_bus, a, b) = two_vms(&cfg);
+    for vm in [&a, &b] {
+        vm.state.borrow_mut().start_serving();
+    }
+    for _ in 0..2 {
+        a.state.borrow_mut().tick();
+        b.state.borrow_mut().tick();
+    }
+    // No worker engine-fed yet: nothing to learn, no call.
+    let text = "lorem ipsum dolor ".repeat(120);
+    let (mut h0, action) = a.post(&text);
+    assert_eq!(action, Action::Continue);
+    assert!(h0.decision().is_some());
+    assert!(a.f().calls.is_empty());
+    a.done(&mut h0);
+    a.relay_update(
+        500,
+        &relay_update(
+            1,
+            Phase::SnapshotEnd,
+            &[("d0", true, &[], &[]), ("d1", true, &[], &[])],
+        ),
+    );
+    a.state.borrow_mut().drain();
+    b.state.borrow_mut().drain();
+
+    // Routed on the text at once; the tokenize call goes out beside it.
+    let (mut h, action) = a.post(&text);
+    assert_eq!(action, Action::Continue, "never waits for the tokenizer");
+    let d = h.decision().expect("routed").clone();
+    assert!(!d.exact_tokens);
+    let (token, cluster, headers) = a.f().calls[0].clone();
     assert_eq!(cluster, "pool-d0");
     assert!(headers.contains(&(":path".into(), "/tokenize".into())));
-    assert!(headers.contains(&(":method".into(), "POST".into())));
     let sent: serde_json::Value =
-        serde_json::from_slice(vm.f().call_bodies[0].as_ref().unwrap()).unwrap();
-    assert_eq!(
-        sent,
-        serde_json::json!({"model":"m","prompt":"a text prompt"})
-    );
-    vm.f().now_ns += 2_000_000;
-    let ids: Vec<u32> = (0..40).collect();
-    let answer = serde_json::json!({"count": 40, "tokens": ids}).to_string();
-    vm.call_answer(&mut h, token, Some(("200", &answer)));
-    assert_eq!(vm.f().resumed, 1);
-    let d = h.decision().expect("routed").clone();
-    // The same blocks as a request that had sent those ids.
-    let want = {
+        serde_json::from_slice(a.f().call_bodies[0].as_ref().unwrap()).unwrap();
+    assert_eq!(sent, serde_json::json!({"model":"m","prompt": text}));
+    a.f().now_ns += 2_000_000;
+    let ids: Vec<u32> = (0..540).collect();
+    let answer = serde_json::json!({"count": 540, "tokens": ids}).to_string();
+    a.call_answer(&mut h, token, Some(("200", &answer)));
+    a.done(&mut h);
+    assert_eq!(a.counter("kvroute.tokenize.ok.total"), 1);
+    assert_eq!(a.recorded("kvroute.tokenize_us"), Some(2000));
+    let n = d.hashes().len();
+    assert!(n > 20, "{n} text blocks");
+    assert_eq!(a.recorded("kvroute.precise.text_blocks"), Some(n as u64));
+    // The engine's own blocks of those ids, as the relay re-keys them.
+    let tok_blocks = {
         let body = serde_json::json!({"model":"m","prompt": ids}).to_string();
         let req =
             crate::request::parse(crate::request::ApiKind::Completions, body.as_bytes()).unwrap();
         crate::hashing::prompt_hashes(&req, &crate::hashing::HashParams::default()).blocks
     };
-    assert_eq!(d.hashes(), &want[..]);
-    assert!(d.exact_tokens);
-    assert_eq!(vm.counter("kvroute.tokenize.ok.total"), 1);
-    assert_eq!(vm.recorded("kvroute.tokenize_us"), Some(2000));
-    assert!(vm.req_header("x-kvroute-cluster").is_some());
-
-    // No answer (timeout), an error status, or garbage: routed on the text, never failed.
-    for answer in [None, Some(("503", "{}")), Some(("200", "<html>"))] {
-        let (mut h, _) = vm.post("another text prompt");
-        let token = vm.f().calls.last().unwrap().0;
-        vm.call_answer(&mut h, token, answer);
-        let d = h.decision().expect("routed on the text");
-        assert!(!d.exact_tokens);
+    // d1's engine reports holding the whole prompt (as a client sending token ids, or
+    // another gateway, put it there): the next text prompt sharing it sees d1 holding it,
+    // on both VMs.
+    a.relay_update(
+        500,
+        &relay_update(2, Phase::Live, &[("d1", false, &tok_blocks, &[])]),
+    );
+    a.state.borrow_mut().drain();
+    b.state.borrow_mut().drain();
+    for vm in [&a, &b] {
+        assert_eq!(
+            vm.held(d.hashes())[1],
+            0,
+            "the index holds token blocks only"
+        );
+        let next = format!("{text} and a new question");
+        let (h2, _) = vm.post(&next);
+        let d2 = h2.decision().unwrap();
+        assert_eq!(d2.decode, 1, "the engine-reported holder wins");
+        assert!(d2.overlap_tokens > 0);
     }
-    assert_eq!(vm.counter("kvroute.tokenize.failed.total"), 3);
-    assert_eq!(vm.f().resumed, 4);
+    // Learned prompts ask no more (only their last block is new).
+    let calls = a.f().calls.len();
+    let (_h, _) = a.post(&text);
+    assert_eq!(a.f().calls.len(), calls);
 
-    // Token ids need no call; a refused call routes at once.
-    let calls = vm.f().calls.len();
-    let body = br#"{"model":"m","prompt":[1,2,3],"max_tokens":4}"#.to_vec();
-    vm.request("POST", "/v1/completions", &[]);
-    vm.f().request_body = body.clone();
-    let mut h = vm.http();
-    h.on_http_request_headers(3, false);
-    assert_eq!(h.on_http_request_body(body.len(), true), Action::Continue);
-    assert_eq!(vm.f().calls.len(), calls);
-    vm.f().failing.push("http_call");
-    let (h, action) = vm.post("refused");
+    // A failed or missing answer is counted and changes nothing for the request.
+    let (mut h, _) = a.post(&"other words entirely ".repeat(80));
+    let token = a.f().calls.last().unwrap().0;
+    a.call_answer(&mut h, token, Some(("503", "{}")));
+    assert_eq!(a.counter("kvroute.tokenize.failed.total"), 1);
+    a.f().failing.push("http_call");
+    let (h, action) = a.post(&"refused call ".repeat(80));
     assert_eq!(action, Action::Continue);
     assert!(h.decision().is_some());
+    assert_eq!(a.counter("kvroute.tokenize.failed.total"), 2);
 }
 
 #[test]

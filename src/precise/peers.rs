@@ -175,7 +175,8 @@ impl Peers {
                 | Event::EngineCleared { .. }
                 | Event::EngineFeed { .. }
                 | Event::PeerGone { .. }
-                | Event::Hinted { .. } => r.refused += 1,
+                | Event::Hinted { .. }
+                | Event::TextTokens { .. } => r.refused += 1,
             }
         }
         r

@@ -157,33 +157,48 @@ def test_a_relay_restart_fails_no_request_and_is_repaired(precise):
     assert again == w and abs(predicted - cached) <= BLOCK and cached >= 31 * BLOCK
 
 
-def test_chat_prompts_match_engine_events_through_the_tokenizer():
-    """Text and chat prompts hash by bytes, which the engines' token-id events can never
-    match; with `tokenize` kvroute asks the engine for the ids first (and reports the wait)."""
+def test_chat_prompts_see_engine_events_through_the_tokenizer_off_the_request_path():
+    """Chat prompts hash by bytes, which the engines' token-id events never match. With
+    `tokenize` the filter routes on the text at once and asks the engine for the ids beside
+    the request; the answer maps the text blocks to the engine's blocks. Proof that the engines'
+    reports (not the gateway's own picks) drive it: the prompt's first worker is reset and the
+    prompt put on the other worker behind the gateway's back; the next turn goes there."""
     workers = fleet()
     s = Stack(workers, kvroute={"disaggregation": {"threshold_tokens": 0},
-                                "tokenize": {"cluster": workers[0].name, "timeout_ms": 200}},
+                                "tokenize": {"cluster": workers[0].name}},
               concurrency=2, relay=True).start()
     try:
         s.wait_relay_live()
         system = " ".join(f"rule {i}: answer briefly and cite the handbook section {i * 7}." for i in range(60))
-        first = None
-        for turn in range(5):
-            body = {"model": "mock-model", "max_tokens": 2, "messages": [
+
+        def chat(turn):
+            return {"model": "mock-model", "max_tokens": 2, "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": f"question number {turn} about the handbook"}]}
-            status, headers, data = s.post("/v1/chat/completions", body)
+
+        status, headers, data = s.post("/v1/chat/completions", chat(0))
+        assert status == 200, data[:300]
+        first = headers["x-worker-id"]
+        time.sleep(0.3)
+        assert s.stats().get("kvroute_tokenize_ok_total", 0) == 1
+        other = next(w for w in workers if w.name != first)
+        reset = next(w for w in workers if w.name == first)
+        status, _, data = request(other.port, "POST", "/v1/chat/completions", chat("direct"))
+        assert status == 200, data[:300]
+        status, _, _ = request(reset.port, "POST", "/reset_prefix_cache", None)
+        assert status == 200
+        time.sleep(0.3)
+        for turn in (1, 2):
+            status, headers, data = s.post("/v1/chat/completions", chat(turn))
             assert status == 200, data[:300]
             cached = json.loads(data)["usage"]["prompt_tokens_details"]["cached_tokens"]
             predicted = int(headers["x-kvroute-predicted-cached-tokens"])
-            first = first or headers["x-worker-id"]
-            assert headers["x-worker-id"] == first
-            if turn:
-                assert cached > 300 and abs(predicted - cached) <= BLOCK, (turn, predicted, cached)
+            assert headers["x-worker-id"] == other.name, (turn, headers["x-worker-id"])
+            # Text blocks count in estimated tokens: close to the engine's, not exact.
+            assert cached > 300 and abs(predicted - cached) <= max(4 * BLOCK, 0.12 * cached), \
+                (turn, predicted, cached)
             time.sleep(0.1)
         st = s.stats()
-        assert st.get("kvroute_tokenize_ok_total", 0) == 5, st
-        _, _, text_stats = request(s.admin, "GET", "/stats?filter=tokenize_us")
-        print("\n" + text_stats.decode().strip())
+        assert st.get("kvroute_tokenize_failed_total", 0) == 0, st
     finally:
         s.stop()
