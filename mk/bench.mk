@@ -71,7 +71,7 @@ bench-scenarios: bench-deps
 .PHONY: bench-quick
 bench-quick: bench-scenarios
 
-# Only the proxy-overhead step (about a minute): latency direct, through Envoy, through Envoy
+# Only the proxy-overhead step (about 1.5 minutes): latency direct, through Envoy, through Envoy
 # with kvroute, through Envoy's ext_proc filter calling a minimal endpoint picker (the ext_proc
 # floor), warm and cold prompts of 1k-128k tokens, interleaved, with each Envoy's CPU per
 # request; results in bench/results/overhead/. No peer routers needed.
