@@ -882,22 +882,28 @@ impl Router {
         let Some(p) = self.speculative.get(id) else {
             return true;
         };
+        // Chained hashes name a whole prefix and engines evict a chain from its end, so the
+        // pick's last block stands for all of it: this runs for every pick on a worker at each
+        // of its engine's event batches, and walking every block there (plus its text's map)
+        // cost each Envoy thread a lookup per block per batch (issue 42).
+        let Some(&last) = p.hashes.last() else {
+            return true;
+        };
         let mut held = [0u32; crate::ids::MAX_WORKERS];
-        self.index.lookup(&p.hashes, now_ms, &mut held);
-        // A pick routed on text: the engine reports its blocks under the token blocks the
+        self.index.lookup(&[last], now_ms, &mut held);
+        // A pick routed on text: the engine reports its last block under the token block the
         // text was learned to end in.
-        let tr = self.twins.translate(&p.hashes);
-        if !tr.is_empty() {
+        let tr = self.twins.translate_one(last);
+        if let Some(tok) = tr {
             let mut eng = [0u32; crate::ids::MAX_WORKERS];
-            self.index.lookup(&tr, now_ms, &mut eng);
+            self.index.lookup(&[tok], now_ms, &mut eng);
             for (h, e) in held.iter_mut().zip(eng) {
                 *h = (*h).max(e);
             }
         }
-        let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
         let done = core::iter::once(p.worker)
             .chain(p.prefill)
-            .all(|w| held.get(usize::from(w)).is_some_and(|&n| n >= full));
+            .all(|w| held.get(usize::from(w)).is_some_and(|&n| n >= 1));
         if done {
             self.speculative.take(id);
         }

@@ -116,6 +116,11 @@ impl Twins {
         unknown > (text.len() / 8).max(1) || (known == 0 && unknown > 0)
     }
 
+    /// The engine block one text block is known to end in.
+    pub fn translate_one(&self, text: u64) -> Option<u64> {
+        self.map.get(&text).copied()
+    }
+
     /// The engine blocks of the leading text blocks known here, one per text block (empty
     /// when the first is unknown).
     pub fn translate(&self, text: &[u64]) -> Vec<u64> {
