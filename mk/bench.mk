@@ -45,6 +45,12 @@ build/dynamo-venv/.installed-$(DYNAMO_VERSION):
 extproc-picker:
 	cargo build --profile relay -p kvroute-relay --example extproc_picker
 
+# tests/e2e/test_peers_dynamo.py checks the picker, Dynamo's selection service and
+# vllm-router's kv_aware mode against mock workers: make test builds and installs them (a
+# failed peer install skips only that peer's test, as in the bench).
+test-e2e: extproc-picker build/dynamo-venv/.installed-$(DYNAMO_VERSION) \
+		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION)
+
 .PHONY: bench-deps
 bench-deps: venv $(BENCH_VENV)/.installed build/sglang-venv/.installed-$(SGLANG_ROUTER_VERSION) \
 		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION) build/dynamo-venv/.installed-$(DYNAMO_VERSION)
