@@ -666,6 +666,22 @@ def envoy_kvroute_stats(admin):
     return prom(admin + "/stats/prometheus", ("kvroute_precise_", "kvroute_tokenize_", "kvroute_peers_"))
 
 
+LADDER_RUNGS = ("prompt", "workload", "fleet", "routed", "served")
+
+
+def ladder_stats(admins, engines):
+    """kvroute's reuse ladder at the end of a run, summed over its gateways: tokens per rung
+    over the requests whose engine reported cached tokens (`reported`), the rest (`unreported`,
+    no served rung), and the engines' own prefix-cache counters beside them (whole run)."""
+    st = merged(prom(a + "/stats/prometheus", ("kvroute_reuse_",)) for a in admins)
+    out = {kind: {r: st.get(f'kvroute_reuse_{name}_total{{rung="{r}"}}', 0.0) for r in LADDER_RUNGS
+                  if r != "served" or kind == "reported"}
+           for kind, name in (("reported", "tokens"), ("unreported", "unreported_tokens"))}
+    out["engine_queries"] = engines.get("vllm:prefix_cache_queries_total")
+    out["engine_hits"] = engines.get("vllm:prefix_cache_hits_total")
+    return out
+
+
 def merged(stats):
     """Several gateways' (or relays') samples summed name by name (counters and histogram
     buckets add up; gauges become the sum)."""
@@ -925,6 +941,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         s["gateways"] = n_gw
         s["policy"] = policy
         s["worker_metrics"] = m = scrape(ws)
+        if admins and policy.startswith("kvroute"):
+            s["ladder"] = ladder_stats(admins, m)
         # Engine-side hit rate (all requests, warm-up included): what the workers' prefix
         # caches served, whether or not they report cached_tokens to clients.
         q = m.get("vllm:prefix_cache_queries_total")
@@ -1782,6 +1800,35 @@ def replicas_markdown(res):
     return L
 
 
+def ladder_markdown(cfg, res):
+    """kvroute's reuse ladder per run (docs/diagnosing.md): each rung's share of the prompt
+    tokens of the requests with usage, and the engines' own hit rate beside `served`."""
+    rows = []
+    for pol, r in res["policies"].items():
+        for key, x in sorted(r.get("runs", {}).items(), key=lambda kv: float(kv[0].split("_")[0])):
+            lad = x.get("ladder")
+            if not lad:
+                continue
+            rp, un = lad["reported"], lad["unreported"]
+            n = rp["prompt"] or 1.0
+            q, h = lad.get("engine_queries"), lad.get("engine_hits")
+            engine_rate = f"{h / q:.3f}" if q else "-"
+            vs_engine = f"{rp['served'] / h:.3f}" if h else "-"
+            rows.append(f"| {pol} | {key} | {rp['prompt']:.0f} | "
+                        + " | ".join(f"{rp[g] / n:.3f}" for g in LADDER_RUNGS[1:])
+                        + f" | {engine_rate} | {vs_engine} | {un['prompt']:.0f} |")
+    if not rows:
+        return []
+    return ["", "### Reuse ladder (kvroute, end of each run)", "",
+            f"| policy | {cfg['load_name']} | prompt tokens with usage | workload | fleet | routed | served | "
+            "engines' hit rate | served / engines' hits | prompt tokens without usage |",
+            "|---|---|---|---|---|---|---|---|---|---|"] + rows + [
+            "", "Rungs as shares of the prompt tokens whose engine reported cached tokens (warm-up included): "
+            "workload - fleet is the capacity loss, fleet - routed the load-balancing trade, routed - served the "
+            "index error (docs/diagnosing.md). The engines' counters cover every request, those without usage too.",
+            ""]
+
+
 def precise_markdown(cfg, res):
     """Per kvroute-tokenize / kvroute-precise run: tokenize calls, the relay stream, the event
     counters of the filter (Envoy stats) and of kvroute-relay (its /metrics), at the run's end."""
@@ -1976,6 +2023,7 @@ def scenario_markdown(cfg, res):
         L.append(f"| {pol} | " + " | ".join(cells) + " |")
     L += envelope_markdown(cfg, res)
     L += precise_markdown(cfg, res)
+    L += ladder_markdown(cfg, res)
     L += ["", "### Targets (kvroute, default config)", ""]
     if not res.get("targets"):
         L.append("kvroute did not run on this scenario: no targets.")

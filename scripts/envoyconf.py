@@ -115,6 +115,7 @@ STATS_TAGS = [
     ("decision", r"^wasmcustom\.kvroute\.disagg_decisions\.((.+?)\.)total$"),
     ("kind", r"^wasmcustom\.kvroute\.(?:feedback|replication)\.((.+?)\.)total$"),
     ("worker", r"^wasmcustom\.kvroute\.worker\.((.+?)\.)\w+$"),
+    ("rung", r"^wasmcustom\.kvroute\.reuse_(?:unreported_)?tokens\.((.+?)\.)total$"),
 ]
 
 ROUTER = {"name": "envoy.filters.http.router",

@@ -11,6 +11,7 @@ pub mod feedback;
 pub mod hashing;
 pub mod ids;
 pub mod index;
+pub mod ladder;
 pub mod load;
 pub mod picks;
 pub mod precise;

@@ -10,6 +10,7 @@ use crate::feedback::{OrcaLoad, Usage};
 use crate::hashing::{hint_hash, prompt_hashes_limited, token_prompt_hashes, HashParams};
 use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
+use crate::ladder::{Ladder, Sketch};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
 use crate::picks::{self, Pick};
 use crate::request::{parse, ApiKind, ParseError, Prompt};
@@ -77,6 +78,8 @@ pub struct Decision {
     pub usage_at_end_only: bool,
     /// How long a try may wait for the worker's response headers (`crate::stall`).
     pub first_byte_timeout_ms: Option<u64>,
+    /// The reuse ladder's rungs for this prompt (`crate::ladder`); zero for a fallback.
+    pub ladder: Ladder,
 }
 
 impl Decision {
@@ -170,6 +173,9 @@ pub struct Router {
     model_lists: bool,
     /// Text blocks -> the engine blocks they end in (`tokenize` answers, see `twins`).
     twins: Twins,
+    /// Block hashes of recent requests, this VM's and (replicated) every other's: the
+    /// ladder's `workload` rung.
+    sketch: Sketch,
 }
 
 /// Streams with usage a VM reads in full before sampling (`limits.usage_read_every`): the
@@ -224,6 +230,7 @@ impl Router {
                 load.set_speed(id, w.speed);
             }
         }
+        let sketch = Sketch::for_fleet(total, hash_key.rotate_left(7) ^ 0x5851_f42d_4c95_7f2d);
         let chars_per_token = cfg.chars_per_token;
         let cfg_model_lists = cfg.has_model_lists();
         let calib = Calibrator::new(cfg.workers.len());
@@ -252,6 +259,7 @@ impl Router {
             usage_streams: 0,
             model_lists: cfg_model_lists,
             twins: Twins::new(hash_key ^ 0x7477_696e),
+            sketch,
         }
     }
 
@@ -265,6 +273,11 @@ impl Router {
 
     pub fn load(&self) -> &LoadTable {
         &self.load
+    }
+
+    /// Recent requests' blocks (the reuse ladder's `workload` rung).
+    pub fn sketch(&self) -> &Sketch {
+        &self.sketch
     }
 
     pub fn chars_per_token(&self) -> f64 {
@@ -433,6 +446,9 @@ impl Router {
         };
         let overlap_tokens = |w: WorkerId| to_tokens(&held, w);
         let confirmed_tokens = |w: WorkerId| to_tokens(&confirmed, w);
+        // Seen before (this VM's requests and those replicated from the others), then
+        // remembered: the ladder's top rung.
+        let seen = u32::try_from(self.sketch.observe(&ph.blocks)).unwrap_or(u32::MAX);
 
         // The request's family: the longest prefix some worker holds, named by its last block.
         let best = held.iter().copied().max().unwrap_or(0);
@@ -515,6 +531,15 @@ impl Router {
             }
         }
 
+        let eligible_prefill: &[WorkerId] = if threshold > 0 { &prefill_pool } else { &[] };
+        let fleet = self.fleet_blocks(&held, [&decode_pool, eligible_prefill], now_ms);
+        let serving = held
+            .get(usize::from(prefill.unwrap_or(pick.id)))
+            .copied()
+            .unwrap_or(0);
+        let ladder = Ladder::from_blocks(seen, fleet, serving, |b| {
+            ((f64::from(b) * tokens_per_block) as u32).min(prompt_tokens)
+        });
         self.families.record(family, pick.id, now_ms);
         let id = self.next_id();
         let hashed_blocks = u32::try_from(ph.blocks.len()).unwrap_or(u32::MAX);
@@ -588,6 +613,7 @@ impl Router {
             considered,
             usage_at_end_only,
             first_byte_timeout_ms,
+            ladder,
         })
     }
 
@@ -602,6 +628,18 @@ impl Router {
                     .is_some_and(|c| self.cfg.serves(c, model))
         };
         pool.iter().copied().filter(serves).collect()
+    }
+
+    /// The longest prefix (blocks, of `held`) a healthy worker of the eligible pools holds:
+    /// the ladder's `fleet` rung.
+    fn fleet_blocks(&self, held: &[u32], pools: [&[WorkerId]; 2], now_ms: u64) -> u32 {
+        pools
+            .iter()
+            .flat_map(|p| p.iter())
+            .filter(|&&w| self.worker_view(w, now_ms).healthy)
+            .map(|&w| held.get(usize::from(w)).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Least-loaded healthy worker of `pool` for a request we cannot cache-route.
@@ -646,6 +684,7 @@ impl Router {
             usage_at_end_only: false,
             // Nothing says how long its answer may take.
             first_byte_timeout_ms: None,
+            ladder: Ladder::default(),
         })
     }
 
@@ -732,6 +771,7 @@ impl Router {
         match e {
             Event::Routed(r) => {
                 self.load.add(r);
+                self.sketch.insert(&r.blocks);
                 self.speculative.add(
                     r.id,
                     Pending {
@@ -1857,6 +1897,95 @@ mod tests {
         assert_eq!(db.decode, d.decode);
         assert_ne!(db.id, d.id);
         assert_eq!(b.worker_view(d.decode, 2).inflight, 2);
+    }
+
+    /// The ladder's rungs: a cold prompt has none; its repeat was seen, is held and routed
+    /// to its holder; another VM sees it through the replicated event; a prompt a worker
+    /// forgot is still workload reuse but no longer fleet-held.
+    #[test]
+    fn ladder_rungs_follow_the_workload_the_fleet_and_the_pick() {
+        let extra = r#","disaggregation":{"threshold_tokens":0}"#;
+        let mut a = Router::new(cfg(extra), 1, 3);
+        let mut b = Router::new(cfg(extra), 2, 4);
+        let text = doc(8, 8000);
+        let d = routed(a.route(ApiKind::Completions, &completion(&text), 0));
+        assert_eq!(d.ladder, Ladder::default());
+        for e in [d.event.clone()]
+            .iter()
+            .chain(&a.on_first_byte(&d, true, 1))
+        {
+            b.apply(e, 1);
+        }
+        a.on_finish(&d, 2);
+        let again = routed(a.route(
+            ApiKind::Completions,
+            &completion(&format!("{text} next")),
+            3,
+        ));
+        let l = again.ladder;
+        assert!(l.routed > again.prompt_tokens * 9 / 10, "{l:?}");
+        assert_eq!((l.workload, l.fleet), (l.routed, l.routed), "{l:?}");
+        assert_eq!(l.routed, again.overlap_tokens);
+        // The other VM never routed it, yet saw it (and its worker holds it: in flight).
+        let on_b = routed(b.route(ApiKind::Completions, &completion(&text), 3));
+        assert!(
+            on_b.ladder.workload > on_b.prompt_tokens * 9 / 10,
+            "{:?}",
+            on_b.ladder
+        );
+        assert_eq!(on_b.ladder.fleet, on_b.ladder.workload);
+        // Every worker forgot it: seen, not held.
+        a.on_finish(&again, 4);
+        let hashes = again.hashes().to_vec();
+        for w in 0..6 {
+            a.apply(
+                &Event::Forget {
+                    worker: w,
+                    hashes: hashes.clone(),
+                },
+                5,
+            );
+        }
+        let forgot = routed(a.route(ApiKind::Completions, &completion(&text), 6));
+        assert!(
+            forgot.ladder.workload > forgot.prompt_tokens * 9 / 10,
+            "{:?}",
+            forgot.ladder
+        );
+        assert_eq!((forgot.ladder.fleet, forgot.ladder.routed), (0, 0));
+        // A fallback has no ladder.
+        let f = routed(a.route(ApiKind::Completions, b"{broken", 7));
+        assert_eq!(f.ladder, Ladder::default());
+    }
+
+    /// Load beats cache: the holder is busy, the pick goes elsewhere, and `fleet - routed`
+    /// is what that cost.
+    #[test]
+    fn ladder_shows_the_load_trade() {
+        let extra = r#","disaggregation":{"threshold_tokens":0}"#;
+        let mut r = Router::new(cfg(extra), 1, 3);
+        let text = doc(9, 2000);
+        let first = routed(r.route(ApiKind::Completions, &completion(&text), 0));
+        r.on_first_byte(&first, true, 1);
+        r.on_finish(&first, 2);
+        // Pile long cold prompts onto the holder's queue by reporting it busy.
+        r.on_orca(
+            first.decode,
+            &OrcaLoad {
+                kv_usage: Some(0.5),
+                waiting: Some(50),
+                running: Some(8),
+            },
+            3,
+        );
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 4));
+        assert_ne!(d.decode, first.decode);
+        assert!(
+            d.ladder.fleet > 0 && d.ladder.routed < d.ladder.fleet,
+            "{:?}",
+            d.ladder
+        );
+        assert_eq!(d.ladder.workload, d.ladder.fleet);
     }
 
     /// One decode worker with room for 64 blocks (1024 tokens).

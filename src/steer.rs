@@ -235,30 +235,108 @@ pub fn debug_headers(r: &Router, d: &Decision) -> Vec<(&'static str, String)> {
             d.decode_overlap_tokens.to_string(),
         ));
     }
-    if let Some(f) = &d.fallback {
-        h.push(("x-kvroute-fallback", f.kind().to_string()));
+    match &d.fallback {
+        Some(f) => h.push(("x-kvroute-fallback", f.kind().to_string())),
+        None => h.push(("x-kvroute-ladder", ladder_header(d))),
     }
     if !d.considered.is_empty() {
         h.push(("x-kvroute-costs", costs_header(r, &d.considered)));
+        h.push(("x-kvroute-why", why_header(r, d)));
     }
     h
 }
 
-/// Each decode candidate: `name cost=.. cached=.. waiting=.. pending=.. [family=..]
-/// [term=..]`, family the share of the worker's recent requests from the request's prefix
-/// family (where it holds it), terms in KV blocks and only where non-zero, candidates
-/// separated by `; `.
-fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
+/// Candidates `x-kvroute-costs` lists at most (then `; +N more`): a response header stays
+/// a few kilobytes whatever the fleet's size.
+pub const MAX_COSTS_LISTED: usize = 16;
+/// Bytes of a worker's name a cost entry shows at most.
+const MAX_NAME_SHOWN: usize = 64;
+
+/// The request's reuse ladder in its prompt tokens (`crate::ladder`; `served` comes with
+/// the body and is in the debug log line).
+pub fn ladder_header(d: &Decision) -> String {
+    let l = &d.ladder;
+    format!(
+        "workload={} fleet={} routed={} prompt={}",
+        l.workload, l.fleet, l.routed, d.prompt_tokens
+    )
+}
+
+/// The debug log line of a finished request (`debug_headers`): its ladder, with `served`
+/// when the engine reported it (`-` otherwise), and [`why_header`].
+pub fn explain_line(r: &Router, d: &Decision, served: Option<u64>) -> String {
+    let mut s = format!(
+        "kvroute: ladder request={:x} worker={} {}",
+        d.id,
+        r.worker_name(d.target),
+        ladder_header(d)
+    );
+    match served {
+        Some(v) => {
+            let _ = write!(s, " served={v} (engine tokens)");
+        }
+        None => s.push_str(" served=-"),
+    }
+    if !d.considered.is_empty() {
+        s.push_str("; ");
+        s.push_str(&why_header(r, d));
+    }
+    s
+}
+
+/// The chosen decode worker's cost terms and the runner-up's (the cheapest other one):
+/// `chosen <entry>; runner-up <entry>`, entries as in `x-kvroute-costs`.
+pub fn why_header(r: &Router, d: &Decision) -> String {
     let mut s = String::new();
-    for c in considered {
+    let chosen = d.considered.iter().find(|c| c.id == d.decode);
+    let runner_up = d
+        .considered
+        .iter()
+        .filter(|c| c.id != d.decode)
+        .min_by(|a, b| a.terms.total().total_cmp(&b.terms.total()));
+    if let Some(c) = chosen {
+        s.push_str("chosen ");
+        cost_entry(&mut s, r, c);
+    }
+    if let Some(c) = runner_up {
         if !s.is_empty() {
             s.push_str("; ");
         }
+        s.push_str("runner-up ");
+        cost_entry(&mut s, r, c);
+    }
+    s
+}
+
+/// Each decode candidate (at most [`MAX_COSTS_LISTED`]): `name cost=.. cached=..
+/// waiting=.. pending=.. [family=..] [term=..]`, family the share of the worker's recent
+/// requests from the request's prefix family (where it holds it), terms in KV blocks and
+/// only where non-zero, candidates separated by `; `.
+fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
+    let mut s = String::new();
+    for c in considered.iter().take(MAX_COSTS_LISTED) {
+        if !s.is_empty() {
+            s.push_str("; ");
+        }
+        cost_entry(&mut s, r, c);
+    }
+    if considered.len() > MAX_COSTS_LISTED {
+        let _ = write!(s, "; +{} more", considered.len() - MAX_COSTS_LISTED);
+    }
+    s
+}
+
+fn cost_entry(s: &mut String, r: &Router, c: &select::Considered) {
+    {
         let t = &c.terms;
+        let name = r.worker_name(c.id);
+        let name = name
+            .get(..name.floor_char_boundary(MAX_NAME_SHOWN))
+            .unwrap_or(name);
         let _ = write!(
             s,
             "{} cost={:.1} cached={} waiting={} pending={:.0}",
-            r.worker_name(c.id),
+            name,
             t.total(),
             c.overlap_tokens,
             c.prefilling,
@@ -282,7 +360,6 @@ fn costs_header(r: &Router, considered: &[select::Considered]) -> String {
             }
         }
     }
-    s
 }
 
 #[cfg(test)]
@@ -540,7 +617,8 @@ mod tests {
                 "x-kvroute-predicted-cached-tokens",
                 "x-kvroute-prompt-tokens",
                 "x-kvroute-prefill-worker",
-                "x-kvroute-decode-cached-tokens"
+                "x-kvroute-decode-cached-tokens",
+                "x-kvroute-ladder"
             ]
         );
         assert_eq!(h[0].1, r.worker_name(d.decode));
@@ -609,5 +687,54 @@ mod tests {
             .unwrap();
         assert!(holder.contains(" family=0.50 "), "{costs}");
         assert_eq!(costs.matches(" family=").count(), 1, "{costs}");
+        // Why: the chosen worker's entry and the cheapest other one's, nothing else.
+        let why = get_owned(&h, "x-kvroute-why").expect("x-kvroute-why");
+        let (chosen, runner_up) = why.split_once("; ").expect(&why);
+        assert_eq!(chosen, format!("chosen {holder}"));
+        let others: Vec<&str> = costs.split("; ").filter(|c| *c != holder).collect();
+        let cost_of = |c: &str| -> f64 {
+            c.split(' ')
+                .find_map(|kv| kv.strip_prefix("cost="))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let cheapest = others
+            .iter()
+            .min_by(|a, b| cost_of(a).total_cmp(&cost_of(b)))
+            .unwrap();
+        assert_eq!(runner_up, format!("runner-up {cheapest}"));
+        // The ladder: seen, held and routed to its holder.
+        let ladder = get_owned(&h, "x-kvroute-ladder").expect("x-kvroute-ladder");
+        let l = third.ladder;
+        assert!(l.routed > 0 && l.workload == l.routed, "{ladder}");
+        assert_eq!(
+            ladder,
+            format!(
+                "workload={} fleet={} routed={} prompt={}",
+                l.workload, l.fleet, l.routed, third.prompt_tokens
+            )
+        );
+    }
+
+    #[test]
+    fn debug_headers_stay_bounded_on_a_large_fleet() {
+        let long = "w".repeat(300);
+        let workers: Vec<String> = (0..40)
+            .map(|i| format!(r#"{{"name":"{long}{i}","endpoint":"10.0.0.{i}:8000"}}"#))
+            .collect();
+        let json = format!(
+            r#"{{"workers":[{}],"debug_headers":true}}"#,
+            workers.join(",")
+        );
+        let mut r = Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 5);
+        let d = decide(&mut r, 4_000);
+        let h = debug_headers(&r, &d);
+        let costs = get_owned(&h, "x-kvroute-costs").unwrap();
+        assert_eq!(costs.split("; ").count(), MAX_COSTS_LISTED + 1, "{costs}");
+        assert!(costs.ends_with("; +24 more"), "{costs}");
+        assert!(costs.len() < 4096, "{}", costs.len());
+        let why = get_owned(&h, "x-kvroute-why").unwrap();
+        assert!(why.len() < 512 && why.contains("runner-up "), "{why}");
     }
 }

@@ -37,6 +37,8 @@ pub struct Http {
     tail: UsageTail,
     /// The request's session header (`hints.session_header`), a routing hint.
     session: Option<String>,
+    /// The engine's cached tokens were read and the request counted on the reuse ladder.
+    served: Option<u64>,
 }
 
 impl Http {
@@ -61,6 +63,7 @@ impl Http {
             finished: false,
             tail: UsageTail::default(),
             session: None,
+            served: None,
         }
     }
 
@@ -315,6 +318,15 @@ impl Http {
         if end_of_stream {
             if let Some(u) = self.tail.usage() {
                 let now = self.host.now_ms();
+                self.served = self
+                    .with(|s| {
+                        let rungs = d.ladder.rungs(d.prompt_tokens, Some(&u));
+                        if d.fallback.is_none() && rungs.served.is_some() {
+                            s.metrics.reuse.add(&rungs);
+                        }
+                        rungs.served.filter(|_| d.fallback.is_none())
+                    })
+                    .flatten();
                 self.with(|s| {
                     s.metrics.usage_reports.inc();
                     let (out, ev) = s.router.on_usage(d, &u, now);
@@ -368,7 +380,15 @@ impl Http {
             feedback::classify(None, 1, None, details.as_deref())
         };
         let now = self.host.now_ms();
-        self.with(|s| {
+        let served = self.served;
+        let explained = self.with(|s| {
+            if served.is_none() && d.fallback.is_none() {
+                s.metrics
+                    .reuse_unreported
+                    .add(&d.ladder.rungs(d.prompt_tokens, None));
+            }
+            let explained = (s.router.config().debug_headers && d.fallback.is_none())
+                .then(|| steer::explain_line(&s.router, &d, served));
             let mut evs = Vec::new();
             if outcome == Outcome::Failure {
                 record_failure(s, &d, now, &mut evs);
@@ -376,7 +396,11 @@ impl Http {
             evs.push(s.router.on_finish(&d, now));
             s.broadcast(&evs);
             s.publish_end(&d, now);
+            explained
         });
+        if let Some(Some(line)) = explained {
+            self.host.log(LogLevel::Debug, &line);
+        }
     }
 }
 

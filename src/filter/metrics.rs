@@ -6,6 +6,7 @@
 //! counters add up across threads and gauges (computed from each VM's full replica) agree.
 
 use super::host::Calls;
+use crate::ladder::Rungs;
 use proxy_wasm::types::MetricType;
 use std::rc::Rc;
 
@@ -54,6 +55,41 @@ pub struct WorkerMetrics {
     pub healthy: Id,
     pub index_blocks: Id,
     pub scrape_errors: Id,
+}
+
+/// The reuse ladder's counters (`kvroute_reuse_tokens_total{rung}`): one per rung, and the
+/// prompt tokens they are out of.
+#[derive(Clone)]
+pub struct Reuse {
+    pub prompt: Id,
+    pub workload: Id,
+    pub fleet: Id,
+    pub routed: Id,
+    /// Not defined for requests without the engine's cached count.
+    pub served: Option<Id>,
+}
+
+impl Reuse {
+    fn define(c: &dyn Fn(&str) -> Id, name: &str, served: bool) -> Reuse {
+        let rung = |r: &str| c(&format!("kvroute.{name}.{r}.total"));
+        Reuse {
+            prompt: rung("prompt"),
+            workload: rung("workload"),
+            fleet: rung("fleet"),
+            routed: rung("routed"),
+            served: served.then(|| rung("served")),
+        }
+    }
+
+    pub fn add(&self, r: &Rungs) {
+        self.prompt.add(r.prompt);
+        self.workload.add(r.workload);
+        self.fleet.add(r.fleet);
+        self.routed.add(r.routed);
+        if let (Some(id), Some(v)) = (&self.served, r.served) {
+            id.add(v);
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -123,6 +159,10 @@ pub struct Metrics {
     pub tokenize_us: Id,
     /// Text blocks whose engine block this VM has learned (`twins`).
     pub text_blocks: Id,
+    /// The ladder over requests whose engine reported its cached tokens (in the engine's
+    /// tokens), and over the others (in the router's, no `served`).
+    pub reuse: Reuse,
+    pub reuse_unreported: Reuse,
     pub workers: Vec<WorkerMetrics>,
 }
 
@@ -197,6 +237,9 @@ impl Metrics {
             tokenize_failed: c("kvroute.tokenize.failed.total"),
             tokenize_us: h("kvroute.tokenize_us"),
             text_blocks: g("kvroute.precise.text_blocks"),
+            // kvroute_reuse_tokens_total{rung="prompt|workload|fleet|routed|served"}
+            reuse: Reuse::define(&c, "reuse_tokens", true),
+            reuse_unreported: Reuse::define(&c, "reuse_unreported_tokens", false),
             workers: worker_names
                 .iter()
                 .map(|w| WorkerMetrics {
