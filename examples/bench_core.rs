@@ -721,6 +721,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
                 confirmed_tokens: held[w] * BLOCK_SIZE,
                 family_share: None,
                 speed: 1.0,
+                adapter_loads: 0.0,
             })
             .collect();
         let pick = select::pick(&sp, &cands, &shape, &mut rng);
@@ -762,6 +763,7 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
             tail_blocks: 16,
             prefill_tokens: 1000,
             now_ms: T0 + i as u64,
+            adapter: 0,
         };
         let t = Instant::now();
         lt.add(&req);

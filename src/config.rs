@@ -41,6 +41,7 @@ pub struct Config {
     pub tokenize: TokenizeConfig,
     pub status: StatusConfig,
     pub hints: HintsConfig,
+    pub lora: LoraConfig,
     /// Add `x-kvroute-worker` (and friends) to responses, naming the chosen worker.
     pub debug_headers: bool,
     /// Seed for tie-breaking and temperature sampling; 0 derives one per VM.
@@ -69,6 +70,7 @@ impl Default for Config {
             tokenize: TokenizeConfig::default(),
             status: StatusConfig::default(),
             hints: HintsConfig::default(),
+            lora: LoraConfig::default(),
             debug_headers: false,
             seed: 0,
         }
@@ -476,6 +478,31 @@ impl Default for MetricsConfig {
     }
 }
 
+/// LoRA adapters (see `crate::lora`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    /// Model names that are LoRA adapters (a request names one in `model`); the cost then
+    /// prefers a worker holding the adapter, then one with a free adapter slot.
+    pub adapters: Vec<String>,
+    /// Adapter slots per worker (vLLM's `--max-loras`, default 1) until the worker's
+    /// metrics report its `max_lora`.
+    pub max_loras: u32,
+    /// Time an engine takes to load an adapter, charged where a request would load one
+    /// (priced as prefill at `load.prefill_tokens_per_s`).
+    pub load_ms: u64,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            adapters: Vec::new(),
+            max_loras: 1,
+            load_ms: 50,
+        }
+    }
+}
+
 /// kvroute-relay's gRPC stream: the engines' own KV cache events (precise mode) and, from
 /// gateways sharing the relay's NATS, their routing decisions.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -792,6 +819,18 @@ impl Config {
         let tps = self.load.prefill_tokens_per_s;
         if !(tps.is_finite() && tps > 0.0) {
             return Err(err("load.prefill_tokens_per_s", "must be > 0"));
+        }
+        for (j, a) in self.lora.adapters.iter().enumerate() {
+            let at = format!("lora.adapters[{j}]");
+            if a.is_empty() {
+                return Err(err(at, "must not be empty"));
+            }
+            if self.lora.adapters.get(..j).is_some_and(|p| p.contains(a)) {
+                return Err(err(at, "is listed twice"));
+            }
+        }
+        if self.lora.max_loras == 0 {
+            return Err(err("lora.max_loras", "must be at least 1"));
         }
         let m = &self.metrics;
         if m.poll_ms > 0 && m.poll_ms < 250 {
@@ -1116,6 +1155,33 @@ mod tests {
             assert_eq!(e.field, "status.path", "{json}: {e}");
         }
         assert!(parse(r#"{"workers":[{"name":"a"}],"status":{"paht":"/s"}}"#).is_err());
+    }
+
+    #[test]
+    fn lora_section() {
+        let c = parse(r#"{"workers":[{"name":"a"}]}"#).unwrap();
+        assert_eq!(
+            (c.lora.adapters.len(), c.lora.max_loras, c.lora.load_ms),
+            (0, 1, 50)
+        );
+        let c = parse(r#"{"workers":[{"name":"a"}],"models":["m"],"lora":{"adapters":["x","y"],"max_loras":2,"load_ms":80}}"#)
+            .unwrap();
+        assert_eq!(
+            (c.lora.adapters, c.lora.max_loras, c.lora.load_ms),
+            (vec!["x".to_string(), "y".to_string()], 2, 80)
+        );
+        for (json, field) in [
+            (r#"{"adapters":[""]}"#, "lora.adapters[0]"),
+            (r#"{"adapters":["x","x"]}"#, "lora.adapters[1]"),
+            (r#"{"max_loras":0}"#, "lora.max_loras"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"workers":[{{"name":"a"}}],"models":["m"],"lora":{json}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+        }
+        assert!(parse(r#"{"workers":[{"name":"a"}],"lora":{"adapter":["x"]}}"#).is_err());
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 use crate::ids::{RequestId, WorkerId};
 use crate::load::{NewRequest, Report};
+use crate::lora::LoraReport;
 
 const VERSION: u8 = 2;
 /// The message format this build writes; part of the replication group's name.
@@ -37,6 +38,7 @@ const TAG_ENGINE_FEED: u8 = 13;
 const TAG_PEER_GONE: u8 = 14;
 const TAG_HINTED: u8 = 15;
 const TAG_TEXT_TOKENS: u8 = 16;
+const TAG_LORA: u8 = 17;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -113,6 +115,11 @@ pub enum Event {
         text: Vec<u64>,
         tokens: Vec<u64>,
     },
+    /// A worker's LoRA adapters as its metrics report them (`crate::lora`).
+    Lora {
+        worker: WorkerId,
+        report: LoraReport,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,6 +182,7 @@ impl Event {
             Event::PeerGone { .. } => TAG_PEER_GONE,
             Event::Hinted { .. } => TAG_HINTED,
             Event::TextTokens { .. } => TAG_TEXT_TOKENS,
+            Event::Lora { .. } => TAG_LORA,
         }
     }
 }
@@ -190,6 +198,10 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_u32(o, r.tail_blocks);
             put_u32(o, r.prefill_tokens);
             put_hashes(o, &r.blocks);
+            // Last, and only when set: requests for the base model encode as before.
+            if r.adapter != 0 {
+                put_u64(o, r.adapter);
+            }
         }
         Event::PrefillDone { id } | Event::Free { id } | Event::Confirmed { id } => put_u64(o, *id),
         Event::Report { worker, report } => {
@@ -211,6 +223,12 @@ fn encode_one(e: &Event, o: &mut Vec<u8>) {
             put_hashes(o, hashes);
         }
         Event::Calibrate { chars_per_token } => put_u64(o, chars_per_token.to_bits()),
+        Event::Lora { worker, report } => {
+            put_u16(o, *worker);
+            put_u32(o, report.max_lora.unwrap_or(NO_COUNT));
+            put_hashes(o, &report.running);
+            put_hashes(o, &report.waiting);
+        }
         Event::EngineCleared { worker } => put_u16(o, *worker),
         Event::EngineFeed { worker, on } => {
             put_u16(o, *worker);
@@ -314,7 +332,7 @@ pub fn decode_counted(msg: &[u8]) -> Result<Decoded, DecodeError> {
     };
     while let Some(tag) = r.u8() {
         if v == VERSION_UNFRAMED {
-            match decode_one(tag, &mut r) {
+            match decode_one(tag, &mut r, false) {
                 Ok(e) => d.events.push(e),
                 Err(e) => {
                     skip(&mut d, e);
@@ -328,7 +346,7 @@ pub fn decode_counted(msg: &[u8]) -> Result<Decoded, DecodeError> {
             break;
         };
         let mut one = Reader(body);
-        match decode_one(tag, &mut one) {
+        match decode_one(tag, &mut one, true) {
             Ok(e) if one.0.is_empty() => d.events.push(e),
             Ok(_) => skip(&mut d, DecodeError::Truncated),
             Err(e) => skip(&mut d, e),
@@ -347,7 +365,9 @@ pub fn decode(msg: &[u8]) -> Result<(u64, Vec<Event>), DecodeError> {
     }
 }
 
-fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
+/// `framed`: `r` holds exactly this event's payload (version 2), so optional trailing
+/// fields can be told from the next event.
+fn decode_one(tag: u8, r: &mut Reader<'_>, framed: bool) -> Result<Event, DecodeError> {
     let t = DecodeError::Truncated;
     Ok(match tag {
         TAG_ROUTED => {
@@ -368,6 +388,7 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
                 tail_blocks,
                 prefill_tokens,
                 now_ms,
+                adapter: if framed { r.u64().unwrap_or(0) } else { 0 },
             })
         }
         TAG_PREFILL_DONE => Event::PrefillDone {
@@ -452,6 +473,18 @@ fn decode_one(tag: u8, r: &mut Reader<'_>) -> Result<Event, DecodeError> {
             }
             Event::TextTokens { text, tokens }
         }
+        TAG_LORA => {
+            let worker = r.u16().ok_or(t)?;
+            let max = r.u32().ok_or(t)?;
+            Event::Lora {
+                worker,
+                report: LoraReport {
+                    max_lora: (max != NO_COUNT).then_some(max),
+                    running: r.hashes().ok_or(t)?,
+                    waiting: r.hashes().ok_or(t)?,
+                },
+            }
+        }
         other => return Err(DecodeError::UnknownTag(other)),
     })
 }
@@ -533,6 +566,7 @@ mod tests {
                 tail_blocks: 17,
                 prefill_tokens: 900,
                 blocks: vec![1, u64::MAX, 42],
+                adapter: 0,
             }),
             Event::Routed(NewRequest {
                 id: 2,
@@ -543,6 +577,7 @@ mod tests {
                 tail_blocks: 0,
                 prefill_tokens: 0,
                 blocks: vec![],
+                adapter: 0,
             }),
             Event::PrefillDone { id: 9 },
             Event::Confirmed { id: 9 },
@@ -620,6 +655,7 @@ mod tests {
                 tail_blocks: 1,
                 prefill_tokens: 5,
                 blocks: vec![0xAB],
+                adapter: 0,
             }),
             Event::Report {
                 worker: 2,
@@ -774,6 +810,69 @@ mod tests {
         assert!(peer_messages(&health, 64).is_empty());
         assert!(peer_messages(&[], 64).is_empty());
         assert!(peer_messages(&[VERSION_UNFRAMED, 0, 0, 0, 0, 0, 0, 0, 0], 64).is_empty());
+    }
+
+    #[test]
+    fn roundtrip_adapter_events() {
+        let evs = vec![
+            Event::Routed(NewRequest {
+                id: 3,
+                now_ms: 1,
+                worker: 1,
+                prefill_worker: None,
+                cached_blocks: 0,
+                tail_blocks: 2,
+                prefill_tokens: 10,
+                blocks: vec![4],
+                adapter: 0xADA,
+            }),
+            Event::Lora {
+                worker: 1,
+                report: LoraReport {
+                    max_lora: Some(2),
+                    running: vec![7, 8],
+                    waiting: vec![],
+                },
+            },
+            Event::Lora {
+                worker: 0,
+                report: LoraReport::default(),
+            },
+        ];
+        let msg = encode(42, &evs);
+        assert_eq!(decode(&msg), Ok((42, evs.clone())));
+        for end in 0..msg.len() {
+            let _ = decode(&msg[..end]);
+        }
+        // Unframed (version 1) decisions never carry an adapter: the next event's bytes
+        // are not taken for one.
+        let mut plain = evs[0].clone();
+        if let Event::Routed(r) = &mut plain {
+            r.adapter = 0;
+        }
+        let mut v1 = vec![VERSION_UNFRAMED];
+        v1.extend_from_slice(&42u64.to_le_bytes());
+        for e in [
+            &plain,
+            &Event::Free {
+                id: 0x0102_0304_0506_0708,
+            },
+        ] {
+            v1.push(e.tag());
+            encode_one(e, &mut v1);
+        }
+        assert_eq!(
+            decode(&v1),
+            Ok((
+                42,
+                vec![
+                    plain,
+                    Event::Free {
+                        id: 0x0102_0304_0506_0708
+                    }
+                ]
+            ))
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod ids;
 pub mod index;
 pub mod ladder;
 pub mod load;
+pub mod lora;
 pub mod picks;
 pub mod precise;
 pub mod prom;

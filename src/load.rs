@@ -37,6 +37,8 @@ pub struct NewRequest {
     /// Prompt tokens the prefill worker has to compute.
     pub prefill_tokens: u32,
     pub now_ms: u64,
+    /// The LoRA adapter the request uses (`crate::lora::adapter_id`), 0 for none.
+    pub adapter: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -592,6 +594,7 @@ mod tests {
             tail_blocks: 1,
             prefill_tokens: tokens,
             now_ms: now,
+            adapter: 0,
         }
     }
 
@@ -846,7 +849,7 @@ mod props {
                 match o.clone() {
                     Op::Add { w, blocks, cached, tokens } => {
                         next += 1;
-                        t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: blocks.clone(), cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now });
+                        t.add(&NewRequest { id: next, worker: w, prefill_worker: Some((w + 1) % 4), blocks: blocks.clone(), cached_blocks: cached, tail_blocks: 1, prefill_tokens: tokens, now_ms: now, adapter: 0 });
                     }
                     Op::PrefillDone(i) => { t.prefill_done(i as u64); }
                     Op::Free(i) => { t.free(i as u64); }

@@ -122,6 +122,88 @@ pub fn parse_load(text: &str) -> Option<OrcaLoad> {
     (!out.is_empty()).then_some(out)
 }
 
+/// The label values of a sample line, unescaped, in order: `(name, value)`; `None` when the
+/// line has no label set or it is malformed.
+pub fn parse_labels(line: &str) -> Option<Vec<(&str, String)>> {
+    let start = line.find('{')?;
+    let mut rest = line.get(start + 1..)?;
+    let mut out = Vec::new();
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        if rest.starts_with('}') {
+            return Some(out);
+        }
+        let eq = rest.find('=')?;
+        let name = rest.get(..eq)?.trim();
+        rest = rest.get(eq + 1..)?.trim_start().strip_prefix('"')?;
+        let mut value = String::new();
+        let mut escaped = false;
+        let mut end = None;
+        for (i, c) in rest.char_indices() {
+            if escaped {
+                value.push(match c {
+                    'n' => '\n',
+                    c => c,
+                });
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                end = Some(i);
+                break;
+            } else {
+                value.push(c);
+            }
+        }
+        rest = rest.get(end? + 1..)?;
+        out.push((name, value));
+    }
+}
+
+/// vLLM's `vllm:lora_requests_info`: `max_lora` and the comma-separated adapter names of
+/// its running and waiting requests as label values. vLLM never removes a label set, so
+/// every set ever current is exposed, valued with when it last was (unix seconds): the
+/// newest is the engine's state. `None` when the text has no such series.
+pub fn parse_lora(text: &str) -> Option<crate::lora::LoraReport> {
+    let mut best: Option<(f64, &str)> = None;
+    for line in text.lines() {
+        let line = line.trim_start();
+        if !line.starts_with("vllm:lora_requests_info{") {
+            continue;
+        }
+        let Some(s) = parse_line(line) else { continue };
+        if s.name != "vllm:lora_requests_info" || !s.value.is_finite() {
+            continue;
+        }
+        if best.is_none_or(|(v, _)| s.value > v) {
+            best = Some((s.value, line));
+        }
+    }
+    let labels = parse_labels(best?.1)?;
+    let ids = |key: &str| -> Vec<crate::lora::AdapterId> {
+        let mut v: Vec<crate::lora::AdapterId> = labels
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .flat_map(|(_, names)| names.split(','))
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(crate::lora::adapter_id)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let max_lora = labels
+        .iter()
+        .find(|(k, _)| *k == "max_lora")
+        .and_then(|(_, v)| v.trim().parse::<u32>().ok());
+    Some(crate::lora::LoraReport {
+        max_lora,
+        running: ids("running_lora_adapters"),
+        waiting: ids("waiting_lora_adapters"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,12 +290,38 @@ sglang:token_usage{model_name="m",tp_rank="0"} 0.75 1700000000000
     }
 
     #[test]
+    fn lora_info_takes_the_newest_label_set() {
+        use crate::lora::adapter_id as id;
+        let text = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.7643e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="chat",waiting_lora_adapters="sql,b\"x"} 1.7644e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7642e9
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+"#;
+        let r = parse_lora(text).unwrap();
+        assert_eq!(r.max_lora, Some(2));
+        assert_eq!(r.running, vec![id("chat")]);
+        let mut w = vec![id("sql"), id("b\"x")];
+        w.sort_unstable();
+        assert_eq!(r.waiting, w);
+        assert_eq!(parse_lora(VLLM), None);
+        assert_eq!(
+            parse_labels(r#"m{a="x\\y\"",b="1"} 2"#).unwrap(),
+            vec![("a", "x\\y\"".to_string()), ("b", "1".to_string())]
+        );
+        assert_eq!(parse_labels(r#"m{a="x} 2"#), None);
+        assert_eq!(parse_labels("m 2"), None);
+    }
+
+    #[test]
     fn never_panics_on_arbitrary_bytes() {
         // A cheap deterministic fuzz: every prefix of tricky inputs, and pseudo-random text.
         let tricky = format!("{LLAMA}{VLLM}{SGLANG}m{{\"\\é}} 1\n\u{0}{{}}\r\n#\n:: 2\n");
         for end in 0..=tricky.len() {
             if let Some(t) = tricky.get(..end) {
                 let _ = parse_load(t);
+                let _ = parse_labels(t);
             }
         }
         let alphabet: Vec<char> = "ab:_{}\"\\= \n\t#0123456789.eE+-NaInf,é".chars().collect();
@@ -227,6 +335,7 @@ sglang:token_usage{model_name="m",tp_rank="0"} 0.75 1700000000000
                 s.push(alphabet[(x % alphabet.len() as u64) as usize]);
             }
             let _ = parse_load(&s);
+            let _ = parse_lora(&format!("vllm:lora_requests_info{{{s}"));
             x = x.wrapping_add(1);
         }
     }

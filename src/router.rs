@@ -12,6 +12,7 @@ use crate::ids::{mix, RequestId, WorkerId, CHARS_PER_TOKEN_RANGE};
 use crate::index::{Pending, PrefixIndex, Speculative};
 use crate::ladder::{Ladder, Sketch};
 use crate::load::{LoadParams, LoadTable, NewRequest, Report, WorkerView};
+use crate::lora::{adapter_id, AdapterId, Adapters, LoraReport};
 use crate::picks::{self, Pick};
 use crate::request::{parse, ApiKind, ParseError, Prompt};
 use crate::rng::Rng;
@@ -176,6 +177,8 @@ pub struct Router {
     /// Block hashes of recent requests, this VM's and (replicated) every other's: the
     /// ladder's `workload` rung.
     sketch: Sketch,
+    /// LoRA adapters each worker holds, as picks and metrics tell.
+    adapters: Adapters,
 }
 
 /// Streams with usage a VM reads in full before sampling (`limits.usage_read_every`): the
@@ -234,6 +237,11 @@ impl Router {
         let chars_per_token = cfg.chars_per_token;
         let cfg_model_lists = cfg.has_model_lists();
         let calib = Calibrator::new(cfg.workers.len());
+        let adapters = Adapters::new(
+            cfg.workers.len(),
+            cfg.lora.max_loras,
+            cfg.load.request_ttl_ms,
+        );
         let families = Families::new(
             cfg.workers.len(),
             cfg.scoring.cache_balance_half_life_ms,
@@ -255,6 +263,7 @@ impl Router {
             pending: Vec::new(),
             engine_fed: Vec::new(),
             confirmed: VecDeque::new(),
+            adapters,
             families,
             usage_streams: 0,
             model_lists: cfg_model_lists,
@@ -310,6 +319,7 @@ impl Router {
                 tail_blocks: p.blocks,
                 prefill_tokens: p.prefill_tokens,
                 now_ms: p.at_ms,
+                adapter: 0,
             };
             // Released just after the pick leaves the window, so it is never charged twice.
             let until = p.at_ms.saturating_add(picks::WINDOW_MS + 1);
@@ -371,6 +381,7 @@ impl Router {
                 return self.route_fallback(Fallback::Parse(describe(&e)), &pool, now_ms);
             }
         };
+        let adapter = self.adapter_of(&req.model);
         let decode_pool = self.pool_for(&self.decode_pool, &req.model);
         if decode_pool.is_empty() {
             let model = req.model.to_string();
@@ -465,6 +476,7 @@ impl Router {
             self.candidates(&decode_pool, &overlap_tokens, &confirmed_tokens, now_ms);
         for c in &mut decode_cands {
             c.family_share = family_share(c.id);
+            c.adapter_loads = self.adapter_loads(c.id, adapter);
         }
         // A hint is one more block at the head of the prompt, cached (confirmed) where the
         // key went last: prefix affinity and its load trade-off, at the weight of one block.
@@ -507,8 +519,11 @@ impl Router {
         if threshold > 0 && !prefill_pool.is_empty() {
             let uncached = select::uncached_tokens(prompt_tokens, decode_overlap);
             if uncached > threshold {
-                let cands =
+                let mut cands =
                     self.candidates(&prefill_pool, &overlap_tokens, &confirmed_tokens, now_ms);
+                for c in &mut cands {
+                    c.adapter_loads = self.adapter_loads(c.id, adapter);
+                }
                 if let Outcome::Picked(pp) = select::pick(&self.sel, &cands, &shape, &mut self.rng)
                 {
                     // The pool only pays when prefilling there costs no more than on the
@@ -553,9 +568,14 @@ impl Router {
             tail_blocks: prompt_blocks.saturating_sub(hashed_blocks) + output.div_ceil(bs),
             prefill_tokens: select::uncached_tokens(prompt_tokens, serve_overlap),
             now_ms,
+            adapter,
         };
         // Load is charged now; the speculative entry waits in `pending` for `flush`.
         self.load.add(&routed);
+        self.adapters.on_routed(id, pick.id, adapter, now_ms);
+        if let Some(pw) = prefill {
+            self.adapters.touch(pw, adapter, now_ms);
+        }
         self.pending.push((
             id,
             Pending {
@@ -662,6 +682,7 @@ impl Router {
             tail_blocks: 0,
             prefill_tokens: 0,
             now_ms,
+            adapter: 0,
         });
         self.apply(&event, now_ms);
         RouteResult::Routed(Decision {
@@ -718,6 +739,7 @@ impl Router {
                     .workers
                     .get(usize::from(w))
                     .map_or(1.0, |c| c.speed),
+                adapter_loads: 0.0,
             })
             .collect()
     }
@@ -772,6 +794,10 @@ impl Router {
             Event::Routed(r) => {
                 self.load.add(r);
                 self.sketch.insert(&r.blocks);
+                self.adapters.on_routed(r.id, r.worker, r.adapter, r.now_ms);
+                if let Some(pw) = r.prefill_worker {
+                    self.adapters.touch(pw, r.adapter, r.now_ms);
+                }
                 self.speculative.add(
                     r.id,
                     Pending {
@@ -811,6 +837,7 @@ impl Router {
             }
             Event::Free { id } => {
                 self.load.free(*id);
+                self.adapters.end(*id);
                 // Ended without a successful first byte (rejected, aborted, failed): the
                 // engine cached nothing we can count on. Requests confirmed on an engine-fed
                 // worker leave on their own deadline (`confirmed`).
@@ -856,6 +883,7 @@ impl Router {
                     self.index.insert(*worker, &[*hash], now_ms);
                 }
             }
+            Event::Lora { worker, report } => self.adapters.on_report(*worker, report, now_ms),
             Event::EngineCleared { worker } => {
                 self.index.clear(*worker);
                 self.settle_confirmed(*worker, now_ms, true);
@@ -1120,6 +1148,34 @@ impl Router {
         let e = Event::Recovered { worker };
         self.apply(&e, now_ms);
         Some(e)
+    }
+
+    /// A worker's adapters from its metrics (`vllm:lora_requests_info`).
+    pub fn on_lora(&mut self, worker: WorkerId, report: LoraReport, now_ms: u64) -> Event {
+        let e = Event::Lora { worker, report };
+        self.apply(&e, now_ms);
+        e
+    }
+
+    /// The adapter a request's `model` names (`lora.adapters`), 0 for none.
+    fn adapter_of(&self, model: &str) -> AdapterId {
+        if self.cfg.lora.adapters.iter().any(|a| a == model) {
+            adapter_id(model)
+        } else {
+            0
+        }
+    }
+
+    fn adapter_loads(&self, w: WorkerId, adapter: AdapterId) -> f64 {
+        if adapter == 0 {
+            0.0
+        } else {
+            self.adapters.fit(w, adapter).loads()
+        }
+    }
+
+    pub fn adapters(&self) -> &Adapters {
+        &self.adapters
     }
 
     pub fn on_orca(&mut self, worker: WorkerId, o: &OrcaLoad, now_ms: u64) -> Event {
@@ -1414,6 +1470,7 @@ mod tests {
                     tail_blocks: 150,
                     prefill_tokens: 2000,
                     now_ms: 70,
+                    adapter: 0,
                 }),
                 70,
             );

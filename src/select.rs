@@ -15,6 +15,9 @@
 //!   memory    = max(0, max(active_blocks, reported_kv_usage * kv_blocks) + new blocks
 //!                      - kv_watermark * kv_blocks)
 //!   balance   = cache_balance * blocks the request writes * (recently written / kv_blocks)
+//!   adapter   = s * adapter loads (0 held, 1 free slot or an idle adapter replaced, 2 when
+//!                 the replaced adapter is held nowhere else or every slot is busy: see
+//!                 `crate::lora::Fit`) * lora.load_ms * prefill_tokens_per_s / block_size
 //!   share     = s * prompt blocks * focus * (max(0, share - 1) + request_ratio_weight
 //!                 * max(0, share - request_ratio)), share = the worker's recent requests
 //!                 (less a slack) over the pool's mean, focus = min(1, family share /
@@ -70,6 +73,9 @@ pub struct SelectParams {
     /// Prefill tokens one waiting request's fixed overhead is worth
     /// (`load.prefill_overhead_ms` at `load.prefill_tokens_per_s`).
     pub request_overhead_tokens: f64,
+    /// Prefill tokens one adapter load is worth (`lora.load_ms` at
+    /// `load.prefill_tokens_per_s`).
+    pub adapter_load_tokens: f64,
     pub busy_kv_usage: f64,
     pub busy_waiting: u32,
     pub busy_inflight: u32,
@@ -118,6 +124,9 @@ pub struct Candidate {
     /// recompute, interference and decode terms are divided by it, and its request share
     /// is counted per unit of speed.
     pub speed: f64,
+    /// Adapter loads placing the request here costs ([`crate::lora::Fit::loads`]); 0 for a
+    /// request without an adapter.
+    pub adapter_loads: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -165,6 +174,7 @@ impl SelectParams {
             request_overhead_tokens: cfg.load.prefill_overhead_ms as f64
                 * cfg.load.prefill_tokens_per_s
                 / 1000.0,
+            adapter_load_tokens: cfg.lora.load_ms as f64 * cfg.load.prefill_tokens_per_s / 1000.0,
             busy_kv_usage: cfg.busy.kv_usage,
             busy_waiting: cfg.busy.waiting_requests,
             busy_inflight: cfg.busy.inflight_requests,
@@ -310,6 +320,8 @@ pub struct CostTerms {
     pub balance: f64,
     /// The request-share (hot spot) term.
     pub share: f64,
+    /// Adapter loads, as the prefill they delay, scaled.
+    pub adapter: f64,
 }
 
 impl CostTerms {
@@ -322,6 +334,7 @@ impl CostTerms {
             + self.memory
             + self.balance
             + self.share
+            + self.adapter
     }
 }
 
@@ -390,6 +403,9 @@ pub fn terms(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Pool) -> 
         // only there pays to be copied once the excess outweighs recomputing the prompt, and
         // that copy then shares the family's traffic.
         share: hot_spot(p, c, r, pool),
+        // A load stalls the engine's step (vLLM loads adapters inside it): everyone there
+        // waits for it as for prefill.
+        adapter: s * (c.adapter_loads * p.adapter_load_tokens / bs),
     }
 }
 
@@ -585,6 +601,7 @@ mod tests {
             confirmed_tokens: overlap * 16,
             family_share: None,
             speed: 1.0,
+            adapter_loads: 0.0,
         }
     }
 
@@ -793,6 +810,7 @@ mod tests {
                 tail_blocks: 16,
                 prefill_tokens: uncached_tokens(2048, pk.overlap_tokens),
                 now_ms: 0,
+                adapter: 0,
             });
         }
         // Copying the prefix costs recompute_weight_min extra (its tokens share the copier's
@@ -839,6 +857,7 @@ mod tests {
                 tail_blocks: 0,
                 prefill_tokens: 1600,
                 now_ms: now,
+                adapter: 0,
             });
             t.free(id); // finished before the next one arrives
         }
@@ -1214,6 +1233,7 @@ mod tests {
                 tail_blocks: 0,
                 prefill_tokens: uncached_tokens(tokens, pk.overlap_tokens),
                 now_ms: now,
+                adapter: 0,
             });
             // Prefill takes no time here; decoding lasts `overlap` picks.
             t.prefill_done(id);
@@ -1331,6 +1351,7 @@ mod tests {
                 tail_blocks: 0,
                 prefill_tokens: 100,
                 now_ms: id * 1000,
+                adapter: 0,
             });
             t.free(id);
         }

@@ -354,6 +354,7 @@ fn cost_entry(s: &mut String, r: &Router, c: &select::Considered) {
             ("memory", t.memory),
             ("balance", t.balance),
             ("share", t.share),
+            ("adapter", t.adapter),
         ] {
             if v != 0.0 {
                 let _ = write!(s, " {name}={v:.1}");

@@ -8,6 +8,7 @@ use crate::config::{Config, Role};
 use crate::events::{self, Event};
 use crate::feedback::OrcaLoad;
 use crate::ids::WorkerId;
+use crate::lora::LoraReport;
 use crate::picks;
 use crate::prom;
 use crate::replication::{Replicator, SharedBus, Timing};
@@ -556,13 +557,19 @@ impl State {
         let (_, w, sent_ns) = self.poller.pending.swap_remove(pos);
         let now_ns = self.host.now_ns();
         match self.read_scrape(num_headers, body_size) {
-            Ok(load) => {
+            Ok((load, lora)) => {
                 self.metrics.scrapes_ok.inc();
                 self.metrics
                     .scrape_us
                     .record(now_ns.saturating_sub(sent_ns) / 1000);
                 let ev = self.router.on_orca(w, &load, now_ns / 1_000_000);
-                self.broadcast(&[ev]);
+                match lora {
+                    Some(r) => {
+                        let lev = self.router.on_lora(w, r, now_ns / 1_000_000);
+                        self.broadcast(&[ev, lev]);
+                    }
+                    None => self.broadcast(&[ev]),
+                }
                 if let Some(f) = self.poller.failing.get_mut(usize::from(w)) {
                     if core::mem::take(f) {
                         let name = self.router.worker_name(w);
@@ -577,7 +584,12 @@ impl State {
         }
     }
 
-    fn read_scrape(&self, num_headers: usize, body_size: usize) -> Result<OrcaLoad, &'static str> {
+    /// The load a scrape reports and, when adapters are configured, its LoRA adapters.
+    fn read_scrape(
+        &self,
+        num_headers: usize,
+        body_size: usize,
+    ) -> Result<(OrcaLoad, Option<LoraReport>), &'static str> {
         if num_headers == 0 {
             return Err("no answer (timeout, refused or reset)");
         }
@@ -595,8 +607,15 @@ impl State {
             .host
             .buffer(BufferType::HttpCallResponseBody, body_size)
             .unwrap_or_default();
-        prom::parse_load(&String::from_utf8_lossy(&body))
-            .ok_or("no load metric kvroute knows (llamacpp:, vllm:, sglang:)")
+        let text = String::from_utf8_lossy(&body);
+        let load = prom::parse_load(&text)
+            .ok_or("no load metric kvroute knows (llamacpp:, vllm:, sglang:)")?;
+        let lora = if self.router.config().lora.adapters.is_empty() {
+            None
+        } else {
+            prom::parse_lora(&text)
+        };
+        Ok((load, lora))
     }
 
     fn scrape_failed(&mut self, w: WorkerId, why: &str) {

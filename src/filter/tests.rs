@@ -1865,6 +1865,7 @@ fn a_forged_peer_message_cannot_steer_or_outlive_the_local_clock() {
                 tail_blocks: 1,
                 prefill_tokens: 100,
                 now_ms: u64::MAX,
+                adapter: 0,
             }),
         ],
     );

@@ -173,6 +173,7 @@ impl Peers {
                 | Event::EngineStored { .. }
                 | Event::EngineRemoved { .. }
                 | Event::EngineCleared { .. }
+                | Event::Lora { .. }
                 | Event::EngineFeed { .. }
                 | Event::PeerGone { .. }
                 | Event::Hinted { .. }
@@ -327,6 +328,7 @@ mod tests {
             tail_blocks: 1,
             prefill_tokens: tokens,
             now_ms,
+            adapter: 0,
         })
     }
 

@@ -47,6 +47,10 @@ run mode:
   --seed N                  text and sampling seed [1]
   --api completions|chat    [completions for mooncake, chat for synthetic]
   --model NAME              model field (omitted when empty) []
+  --adapters N              each conversation (synthetic: session; mooncake: --session-block
+                            hash) names one of N LoRA adapters, `adapter-0` .. `adapter-N-1`,
+                            as its model, drawn with Zipf popularity (--adapter-zipf) [0: off]
+  --adapter-zipf S          Zipf exponent of adapter popularity [1.0]
   --timeout-s F             per-request timeout [600]
   --warmup N                leave the first N requests out of the summary [0]
   --sim-speedup F           the fleet's --speedup: summary also reports simulated seconds [1]
@@ -114,6 +118,8 @@ pub struct Args {
     pub seed: u64,
     pub api: Option<Api>,
     pub model: String,
+    pub adapters: usize,
+    pub adapter_zipf: f64,
     pub timeout: Duration,
     pub warmup: usize,
     pub sim_speedup: f64,
@@ -164,6 +170,8 @@ fn parse_args() -> Result<Args, String> {
         seed: 1,
         api: None,
         model: String::new(),
+        adapters: 0,
+        adapter_zipf: 1.0,
         timeout: Duration::from_secs(600),
         warmup: 0,
         sim_speedup: 1.0,
@@ -228,6 +236,8 @@ fn parse_args() -> Result<Args, String> {
             "--speed" => a.speed = num!(),
             "--max-output" => a.max_output = num!(),
             "--seed" => a.seed = num!(),
+            "--adapters" => a.adapters = num!(),
+            "--adapter-zipf" => a.adapter_zipf = num!(),
             "--api" => {
                 a.api = Some(match v.as_str() {
                     "completions" => Api::Completions,

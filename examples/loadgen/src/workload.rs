@@ -37,6 +37,33 @@ fn base_body(model: &str, max_tokens: u64) -> Value {
     b
 }
 
+/// `--adapters`: the model a conversation names, one of `n` adapters drawn by Zipf
+/// popularity from the conversation's key, so every turn of it uses the same adapter.
+pub struct AdapterPick {
+    zipf: Option<Zipf>,
+    seed: u64,
+}
+
+impl AdapterPick {
+    pub fn new(a: &Args) -> Self {
+        AdapterPick {
+            zipf: (a.adapters > 0).then(|| Zipf::new(a.adapters, a.adapter_zipf)),
+            seed: a.seed,
+        }
+    }
+
+    /// The adapter of conversation `key`, or `base` when adapters are off.
+    pub fn model(&self, key: u64, base: &str) -> String {
+        match &self.zipf {
+            Some(z) => {
+                let mut st = seed_of(&[self.seed, 0x00ad_a97e, key]);
+                format!("adapter-{}", z.sample(&mut st))
+            }
+            None => base.to_string(),
+        }
+    }
+}
+
 struct TraceReq {
     ts_ms: f64,
     tokens: usize,
@@ -140,6 +167,7 @@ pub struct Mooncake {
     seed: u64,
     api: Api,
     model: String,
+    adapters: AdapterPick,
 }
 
 impl Mooncake {
@@ -199,6 +227,7 @@ impl Mooncake {
             seed: a.seed,
             api: a.api.unwrap_or(Api::Completions),
             model: a.model.clone(),
+            adapters: AdapterPick::new(a),
         };
         m.generate_blocks();
         Ok(m)
@@ -285,7 +314,9 @@ impl Mooncake {
             hs.push(tokio::spawn(async move {
                 let r = &me.reqs[i];
                 let text = me.prompt(r);
-                let mut body = base_body(&me.model, r.max_tokens);
+                let key = r.session.parse::<u64>().unwrap_or(0);
+                let model = me.adapters.model(key, &me.model);
+                let mut body = base_body(&model, r.max_tokens);
                 match me.api {
                     Api::Completions => body["prompt"] = json!(text),
                     Api::Chat => body["messages"] = json!([{"role": "user", "content": text}]),
@@ -332,6 +363,7 @@ pub struct Synthetic {
     seed: u64,
     api: Api,
     model: String,
+    adapters: AdapterPick,
     counter: AtomicUsize,
 }
 
@@ -359,6 +391,7 @@ impl Synthetic {
             seed: a.seed,
             api: a.api.unwrap_or(Api::Chat),
             model: a.model.clone(),
+            adapters: AdapterPick::new(a),
             counter: AtomicUsize::new(0),
         }
     }
@@ -412,7 +445,7 @@ impl Synthetic {
             flat.push_str(&user);
             flat.push_str("\nAssistant:");
             msgs.push(json!({"role": "user", "content": user}));
-            let mut body = base_body(&self.model, self.max_tokens);
+            let mut body = base_body(&self.adapters.model(s as u64, &self.model), self.max_tokens);
             match self.api {
                 Api::Chat => body["messages"] = json!(msgs),
                 Api::Completions => body["prompt"] = json!(flat),
@@ -486,6 +519,10 @@ mod tests {
             seed: 3,
             api: Api::Completions,
             model: String::new(),
+            adapters: AdapterPick {
+                zipf: None,
+                seed: 0,
+            },
         };
         let uncached = [m.prompt(&m.reqs[0]), m.prompt(&m.reqs[1])];
         m.generate_blocks();
@@ -536,6 +573,10 @@ mod tests {
             seed: 1,
             api: Api::Completions,
             model: String::new(),
+            adapters: AdapterPick {
+                zipf: None,
+                seed: 0,
+            },
         };
         // 100 s of trace, 25-75 s twice as fast (25 s saved), all of it at speed 2.
         assert!(close(m.span(), 37.5));
@@ -595,6 +636,10 @@ mod tests {
             seed: 7,
             api: Api::Chat,
             model: String::new(),
+            adapters: AdapterPick {
+                zipf: None,
+                seed: 0,
+            },
             counter: AtomicUsize::new(0),
         }
     }

@@ -100,6 +100,9 @@ pub struct NewRequest {
     pub salt: Option<String>,
     /// Leading prompt tokens whose KV arrives from a prefill worker instead of being computed.
     pub transferred: usize,
+    /// LoRA adapter: 0 the base model, i the i-th of `--lora-modules` (1-based, as vLLM's
+    /// `lora_int_id`).
+    pub lora: u16,
 }
 
 struct Seq {
@@ -119,6 +122,7 @@ struct Seq {
     /// Length to (re)compute at admission: the prompt, plus output so far after preemption.
     prefill_target: usize,
     transferred: usize,
+    lora: u16,
     cached_tokens: Option<usize>,
     arrival: Instant,
     /// Scheduled end of the pass that produced the first output token.
@@ -128,9 +132,14 @@ struct Seq {
 
 impl Seq {
     /// Tokenized prompt to queued sequence; the hashing happens here, outside the engine lock.
-    fn new(req: NewRequest, bs: usize, arrival: Instant) -> (Seq, mpsc::UnboundedReceiver<Event>) {
+    fn new(
+        req: NewRequest,
+        bs: usize,
+        lora_names: &[String],
+        arrival: Instant,
+    ) -> (Seq, mpsc::UnboundedReceiver<Event>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let root = kv::chain_root(req.salt.as_deref());
+        let root = request_root(req.salt.as_deref(), req.lora, lora_names);
         let mut hashes = Vec::with_capacity((req.tokens.len() + req.max_tokens) / bs + 1);
         kv::extend_hashes(&mut hashes, root, &req.tokens, bs);
         let prompt_len = req.tokens.len();
@@ -150,6 +159,7 @@ impl Seq {
             scheduled: 0,
             prefill_target: prompt_len,
             transferred: req.transferred,
+            lora: req.lora,
             cached_tokens: None,
             arrival,
             first_token: None,
@@ -159,9 +169,51 @@ impl Seq {
     }
 }
 
+/// The chain root of a request with this salt and adapter (see `kv::adapter_root`).
+pub fn request_root(salt: Option<&str>, lora: u16, lora_names: &[String]) -> u64 {
+    let name = usize::from(lora)
+        .checked_sub(1)
+        .and_then(|i| lora_names.get(i));
+    kv::adapter_root(kv::chain_root(salt), name.map(String::as_str))
+}
+
+/// The engine's adapter slots (vLLM's `--max-loras`), least recently used first.
+#[derive(Debug, Default)]
+pub struct LoraSlots {
+    max: usize,
+    /// Adapter ids held, least recently used first.
+    held: Vec<u16>,
+    pub loads: u64,
+}
+
+impl LoraSlots {
+    /// Makes room for `lora` and holds it, evicting the least recently used adapter that no
+    /// request in `busy` uses; whether it had to be loaded. `None`: every slot is busy.
+    fn acquire(&mut self, lora: u16, busy: &[u16]) -> Option<bool> {
+        if let Some(i) = self.held.iter().position(|&l| l == lora) {
+            self.held.remove(i);
+            self.held.push(lora);
+            return Some(false);
+        }
+        if self.held.len() >= self.max {
+            let i = self.held.iter().position(|l| !busy.contains(l))?;
+            self.held.remove(i);
+        }
+        self.held.push(lora);
+        self.loads += 1;
+        Some(true)
+    }
+
+    pub fn held(&self) -> &[u16] {
+        &self.held
+    }
+}
+
 /// What one pass costs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pass {
+    /// Adapter loads the pass waits for, ms (vLLM loads them inside the step).
+    pub lora_load_ms: f64,
     pub prefill_tokens: usize,
     /// Sum over prefilling requests of tokens scheduled x tokens already in their context.
     pub context_pairs: f64,
@@ -172,12 +224,13 @@ pub struct Pass {
 
 impl Pass {
     pub fn ms(&self) -> f64 {
-        pass_ms(
-            self.prefill_tokens,
-            self.context_pairs,
-            self.decode_seqs > 0,
-            self.usage,
-        )
+        self.lora_load_ms
+            + pass_ms(
+                self.prefill_tokens,
+                self.context_pairs,
+                self.decode_seqs > 0,
+                self.usage,
+            )
     }
 }
 
@@ -193,6 +246,12 @@ pub struct EngineState {
     /// `Format::legacy`: AllBlocksCleared at start-up and at once on a reset.
     legacy_events: bool,
     pub metrics: Metrics,
+    pub lora_names: Vec<String>,
+    pub lora_slots: LoraSlots,
+    lora_load_ms: f64,
+    /// vLLM's `vllm:lora_requests_info` series: label values (waiting, running adapters)
+    /// and when each was last current (unix seconds); vLLM never removes a label set.
+    pub lora_info: Vec<((String, String), f64)>,
     /// `--kv-events`: where each step's KV cache events go (never waited on).
     events_tx: Option<mpsc::Sender<Batch>>,
 }
@@ -228,8 +287,60 @@ impl EngineState {
             context_attention: cfg.context_attention,
             cache_at_schedule: !cfg.cache_at_pass_end,
             metrics: Metrics::default(),
+            lora_names: cfg.lora_modules.clone(),
+            lora_slots: LoraSlots {
+                max: cfg.max_loras,
+                ..LoraSlots::default()
+            },
+            lora_load_ms: cfg.lora_load_ms,
+            lora_info: Vec::new(),
             events_tx: None,
         }
+    }
+
+    /// Adapter names of the waiting and the running requests, comma-separated in order of
+    /// first appearance, as vLLM labels `vllm:lora_requests_info`.
+    fn lora_labels(&self) -> (String, String) {
+        let names = |it: &mut dyn Iterator<Item = u16>| {
+            let mut seen: Vec<u16> = Vec::new();
+            for l in it {
+                if l > 0 && !seen.contains(&l) {
+                    seen.push(l);
+                }
+            }
+            let v: Vec<&str> = seen
+                .iter()
+                .filter_map(|&l| self.lora_names.get(usize::from(l) - 1))
+                .map(String::as_str)
+                .collect();
+            v.join(",")
+        };
+        (
+            names(&mut self.waiting.iter().map(|s| s.lora)),
+            names(&mut self.running.iter().map(|s| s.lora)),
+        )
+    }
+
+    /// Stamps the current label set of `vllm:lora_requests_info` (after every pass, as vLLM
+    /// records its stats each step). The list is bounded: the stalest sets go first.
+    fn record_lora_info(&mut self) {
+        if self.lora_names.is_empty() {
+            return;
+        }
+        let labels = self.lora_labels();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        match self.lora_info.iter_mut().find(|(l, _)| *l == labels) {
+            Some(e) => e.1 = now,
+            None => {
+                if self.lora_info.len() >= 256 {
+                    self.lora_info.remove(0);
+                }
+                self.lora_info.push((labels, now));
+            }
+        }
+        self.lora_info.sort_by(|a, b| a.1.total_cmp(&b.1));
     }
 
     /// Starts publishing KV cache events to `tx`; the old mock's formats begin with
@@ -288,7 +399,8 @@ impl EngineState {
     /// Read-only cache probe: (prompt tokens, cached tokens).
     pub fn probe(&self, tokens: &[u32], salt: Option<&str>) -> (usize, usize) {
         let mut hashes = Vec::new();
-        kv::extend_hashes(&mut hashes, kv::chain_root(salt), tokens, self.block_size);
+        let root = request_root(salt, 0, &self.lora_names);
+        kv::extend_hashes(&mut hashes, root, tokens, self.block_size);
         (
             tokens.len(),
             self.hit_blocks(&hashes, tokens.len()) * self.block_size,
@@ -296,7 +408,7 @@ impl EngineState {
     }
 
     pub fn submit(&mut self, req: NewRequest, arrival: Instant) -> mpsc::UnboundedReceiver<Event> {
-        let (seq, rx) = Seq::new(req, self.block_size, arrival);
+        let (seq, rx) = Seq::new(req, self.block_size, &self.lora_names, arrival);
         self.enqueue(seq);
         rx
     }
@@ -376,14 +488,31 @@ impl EngineState {
             preempted += 1;
         }
 
-        // Then admit waiting requests FCFS, unless this pass already had to preempt.
+        // Then admit waiting requests FCFS, unless this pass already had to preempt. As in
+        // vLLM, a request whose adapter needs a slot while every slot serves running
+        // requests stays waiting, and the ones behind it may pass.
+        let mut busy: Vec<u16> = self
+            .running
+            .iter()
+            .map(|s| s.lora)
+            .filter(|&l| l > 0)
+            .collect();
+        busy.sort_unstable();
+        busy.dedup();
+        let mut loads = 0usize;
+        let mut j = 0;
         while preempted == 0 && budget > 0 && self.running.len() < self.max_num_seqs {
-            let Some(s) = self.waiting.front() else { break };
+            let Some(s) = self.waiting.get(j) else { break };
             if start.is_some_and(|t| s.arrival > t) {
                 break;
             }
             if s.tx.is_closed() {
-                self.waiting.pop_front();
+                self.waiting.remove(j);
+                continue;
+            }
+            let lora = s.lora;
+            if lora > 0 && !busy.contains(&lora) && busy.len() >= self.lora_slots.max {
+                j += 1;
                 continue;
             }
             let len = s.tokens.len();
@@ -400,7 +529,21 @@ impl EngineState {
             if need > available {
                 break;
             }
-            let mut s = self.waiting.pop_front().unwrap();
+            if lora > 0 {
+                match self.lora_slots.acquire(lora, &busy) {
+                    Some(loaded) => {
+                        loads += usize::from(loaded);
+                        if !busy.contains(&lora) {
+                            busy.push(lora);
+                        }
+                    }
+                    None => {
+                        j += 1;
+                        continue;
+                    }
+                }
+            }
+            let mut s = self.waiting.remove(j).unwrap();
             cache.acquire_hits(&s.hashes[..hit], &mut s.blocks);
             assert!(cache.allocate(need, &mut s.blocks));
             // Transferred KV arrived already computed: its full blocks become cacheable now.
@@ -429,6 +572,7 @@ impl EngineState {
         self.flush_events();
 
         let mut pass = Pass {
+            lora_load_ms: loads as f64 * self.lora_load_ms,
             prefill_tokens: 0,
             context_pairs: 0.0,
             decode_seqs: 0,
@@ -507,6 +651,7 @@ impl EngineState {
             true
         });
         self.flush_events();
+        self.record_lora_info();
     }
 
     pub fn has_work(&self) -> bool {
@@ -588,7 +733,7 @@ impl Shared {
     }
 
     pub fn submit(&self, req: NewRequest, arrival: Arrival) -> mpsc::UnboundedReceiver<Event> {
-        let (seq, rx) = Seq::new(req, self.cfg.block_size, arrival.at);
+        let (seq, rx) = Seq::new(req, self.cfg.block_size, &self.cfg.lora_modules, arrival.at);
         self.state.lock().unwrap().enqueue(seq);
         // Queued before the arrival leaves the pending list, so the engine sees it in one or
         // the other.
@@ -694,6 +839,7 @@ mod tests {
             max_tokens,
             salt: None,
             transferred: 0,
+            lora: 0,
         }
     }
 
@@ -1026,6 +1172,88 @@ mod tests {
         });
         assert_eq!(st.cache.capacity(), 15);
         assert_eq!(EngineState::new(&cfg(16, 1000, 8)).cache.capacity(), 16);
+    }
+
+    fn lora_cfg(max_loras: usize) -> Config {
+        Config {
+            lora_modules: vec!["a".into(), "b".into(), "c".into()],
+            max_loras,
+            lora_load_ms: 40.0,
+            ..cfg(1000, 1000, 8)
+        }
+    }
+
+    fn lora_req(seed: u32, lora: u16, max_tokens: usize) -> NewRequest {
+        NewRequest {
+            lora,
+            ..req(seed, 20, max_tokens)
+        }
+    }
+
+    #[test]
+    fn an_adapter_has_its_own_prefix_cache() {
+        let mut st = EngineState::new(&lora_cfg(2));
+        let mut a = st.submit(lora_req(1, 1, 1), Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut a).cached_tokens, 0);
+        let mut b = st.submit(lora_req(1, 2, 1), Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut b).cached_tokens, 0, "same tokens, other adapter");
+        let mut base = st.submit(lora_req(1, 0, 1), Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut base).cached_tokens, 0, "same tokens, base model");
+        let mut again = st.submit(lora_req(1, 1, 1), Instant::now());
+        drain(&mut st);
+        assert_eq!(done(&mut again).cached_tokens, 16);
+    }
+
+    #[test]
+    fn adapter_slots_load_on_demand_and_evict_the_least_recently_used_idle_one() {
+        let mut st = EngineState::new(&lora_cfg(2));
+        let mut loads = vec![];
+        for lora in [1, 2, 1, 3, 1, 2] {
+            let mut rx = st.submit(lora_req(lora.into(), lora, 1), Instant::now());
+            let p = st.schedule().unwrap();
+            loads.push(p.lora_load_ms);
+            st.commit(Instant::now());
+            drain(&mut st);
+            done(&mut rx);
+        }
+        // a, b load; a is held; c replaces b (a used more recently); a held; b replaces c.
+        assert_eq!(loads, [40.0, 40.0, 0.0, 40.0, 0.0, 40.0]);
+        assert_eq!(st.lora_slots.loads, 4);
+        assert_eq!(st.lora_slots.held(), [1, 2]);
+    }
+
+    #[test]
+    fn a_request_waits_while_running_adapters_hold_every_slot_and_others_pass_it() {
+        let mut st = EngineState::new(&lora_cfg(1));
+        let _a = st.submit(lora_req(1, 1, 50), Instant::now());
+        st.schedule();
+        st.commit(Instant::now());
+        let _b = st.submit(lora_req(2, 2, 1), Instant::now());
+        let _a2 = st.submit(lora_req(3, 1, 1), Instant::now());
+        let _base = st.submit(lora_req(4, 0, 1), Instant::now());
+        let p = st.schedule().unwrap();
+        assert_eq!(p.lora_load_ms, 0.0);
+        assert_eq!(
+            st.load().running,
+            3,
+            "a's second request and the base one pass b"
+        );
+        st.commit(Instant::now());
+        assert_eq!(st.lora_labels(), ("b".to_string(), "a".to_string()));
+        assert_eq!(
+            st.lora_info.last().map(|(l, _)| l.clone()),
+            Some(("b".into(), "a".into()))
+        );
+        drain(&mut st);
+        assert_eq!(st.lora_slots.loads, 2, "b loads once a's requests are done");
+        assert_eq!(
+            st.lora_info.last().map(|(l, _)| l.clone()),
+            Some((String::new(), String::new()))
+        );
+        assert!(st.lora_info.len() >= 3, "old label sets stay, as in vLLM");
     }
 
     #[test]

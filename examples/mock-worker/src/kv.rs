@@ -47,6 +47,15 @@ pub fn chain_root(salt: Option<&str>) -> u64 {
     salt.map_or(0, |s| xxh3_64_with_seed(s.as_bytes(), HASH_SEED ^ 0x5a17))
 }
 
+/// The root of a request's chain for LoRA adapter `lora` (`None`: the base model): vLLM
+/// puts the adapter's name into every block hash, so an adapter's blocks never match the
+/// base model's or another adapter's. Seeding the root has the same effect on hits.
+pub fn adapter_root(root: u64, lora: Option<&str>) -> u64 {
+    lora.map_or(root, |n| {
+        xxh3_64_with_seed(n.as_bytes(), HASH_SEED ^ 0x10ea ^ root)
+    })
+}
+
 /// Appends the chained hashes of every full block of `tokens` past the ones already in
 /// `hashes`.
 pub fn extend_hashes(hashes: &mut Vec<u64>, root: u64, tokens: &[u32], block_size: usize) {

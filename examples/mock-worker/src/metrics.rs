@@ -69,6 +69,32 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }
 
+/// vLLM's `vllm:lora_requests_info`: one series per label set ever current, valued with
+/// when it last was (unix seconds; a reader takes the newest), labels in vLLM's order; and
+/// the mock's count of adapter loads.
+pub fn render_lora(o: &mut String, max_lora: usize, info: &[((String, String), f64)], loads: u64) {
+    family(
+        o,
+        "vllm:lora_requests_info",
+        "gauge",
+        "Running stats on lora requests.",
+    );
+    for ((waiting, running), t) in info {
+        let _ = writeln!(
+            o,
+            "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{waiting}\",running_lora_adapters=\"{running}\"}} {t}"
+        );
+    }
+    let name = "mock:lora_loads_total";
+    family(
+        o,
+        name,
+        "counter",
+        "Adapters loaded into a slot (the first use of one counts).",
+    );
+    let _ = writeln!(o, "{name} {loads}");
+}
+
 pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
     let mut o = String::with_capacity(4096);
     // vLLM labels every engine metric with `engine` (its data-parallel index; one engine

@@ -233,9 +233,16 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
         (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "", name),
         (Method::GET, "/v1/models") => {
             let cfg = &ctx.shared.cfg;
-            let body = json!({"object": "list", "data": [{
+            // vLLM lists each adapter after the base model, its parent.
+            let mut data = vec![json!({
                 "id": cfg.model, "object": "model", "created": 0, "owned_by": "kvroute-mock",
-                "root": cfg.model, "max_model_len": cfg.max_model_len}]});
+                "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len})];
+            data.extend(cfg.lora_modules.iter().map(|n| {
+                json!({
+                "id": n, "object": "model", "created": 0, "owned_by": "kvroute-mock",
+                "root": n, "parent": cfg.model, "max_model_len": null})
+            }));
+            let body = json!({"object": "list", "data": data});
             respond(StatusCode::OK, "application/json", body.to_string(), name)
         }
         (Method::GET, "/metrics") => {
@@ -249,7 +256,16 @@ async fn handle(req: Request<Incoming>, ctx: Arc<Ctx>) -> Result<Response<RespBo
                     name,
                     prepared: ctx.prepared.each_ref().map(|c| c.load(Ordering::Relaxed)),
                 };
-                metrics::render(&st.metrics, st.load(), &info)
+                let mut text = metrics::render(&st.metrics, st.load(), &info);
+                if !cfg.lora_modules.is_empty() {
+                    metrics::render_lora(
+                        &mut text,
+                        cfg.max_loras,
+                        &st.lora_info,
+                        st.lora_slots.loads,
+                    );
+                }
+                text
             };
             respond(StatusCode::OK, "text/plain; version=0.0.4", text, name)
         }
@@ -314,10 +330,12 @@ async fn probe(req: Request<Incoming>, ctx: &Ctx) -> Response<RespBody> {
         Err(e) => return error(&e, name),
     };
     let bs = ctx.shared.cfg.block_size;
+    let loras = ctx.shared.cfg.lora_modules.clone();
     let work = tokio::task::spawn_blocking(move || {
         api::parse(&body, None).map(|p| {
             let mut hashes = Vec::with_capacity(p.tokens.len() / bs);
-            let root = kv::chain_root(p.cache_salt.as_deref());
+            let lora = lora_id(&p, &loras);
+            let root = engine::request_root(p.cache_salt.as_deref(), lora, &loras);
             kv::extend_hashes(&mut hashes, root, &p.tokens, bs);
             (p.tokens.len(), hashes)
         })
@@ -413,12 +431,23 @@ async fn render(req: Request<Incoming>, ctx: &Ctx, kind: Kind) -> Response<RespB
     respond(StatusCode::OK, "application/json", out.to_string(), name)
 }
 
+/// The LoRA adapter a request names in `model` (vLLM's `lora_int_id`: 1-based position in
+/// `--lora-modules`), 0 for the base model or any other name.
+fn lora_id(p: &Parsed, adapters: &[String]) -> u16 {
+    p.model
+        .as_ref()
+        .and_then(|m| adapters.iter().position(|a| a == m))
+        .map_or(0, |i| u16::try_from(i + 1).unwrap_or(0))
+}
+
 fn check_model(p: &Parsed, cfg: &Config) -> Result<(), ApiError> {
     match &p.model {
-        Some(m) if m != &cfg.model && !cfg.accept_any_model => Err(ApiError::not_found(
-            format!("The model `{m}` does not exist."),
-            Some("model"),
-        )),
+        Some(m) if m != &cfg.model && !cfg.accept_any_model && !cfg.lora_modules.contains(m) => {
+            Err(ApiError::not_found(
+                format!("The model `{m}` does not exist."),
+                Some("model"),
+            ))
+        }
         _ => Ok(()),
     }
 }
@@ -535,6 +564,7 @@ async fn inference(req: Request<Incoming>, ctx: Arc<Ctx>, kind: Kind) -> Respons
             max_tokens: parsed.max_tokens,
             salt: parsed.cache_salt.take(),
             transferred,
+            lora: lora_id(&parsed, &cfg.lora_modules),
         },
         arrival,
     );
@@ -662,10 +692,12 @@ async fn prefill_handoff(
     let shared = &ctx.shared;
     let name = shared.name.as_str();
     let cfg = &shared.cfg;
+    let lora = lora_id(&parsed, &cfg.lora_modules);
     let rx = shared.submit(
         NewRequest {
             tokens: parsed.tokens,
             max_tokens: 1,
+            lora,
             salt: parsed.cache_salt,
             transferred: 0,
         },
