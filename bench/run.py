@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -134,6 +135,13 @@ COMMON = dict(
     # sends streams as most clients do, without stream_options.include_usage (hit rate then
     # comes from the engines' own counters).
     stream_usage=True,
+    # Issue 42, where predictions fail: `reset_at_s` wall seconds into the workload, POST
+    # /reset_prefix_cache to the first half of the answering workers (an engine restart's or
+    # an operator's cache reset, which no response tells the router). None: off.
+    reset_at_s=None,
+    # Issue 42: another client sends this share of the load (its own sessions and documents,
+    # another seed) straight to the first decode worker, bypassing the router. None: off.
+    bypass=None,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
@@ -729,6 +737,49 @@ def wait_stream_live(admin, procs, timeout=30.0):
     return wait_until(ok, timeout, "precise mode: the relay stream never went live", procs)
 
 
+def start_resets(cfg, ws):
+    """The `reset_at_s` reset as a timer (None when off): it empties the prefix cache of the
+    first half of the answering workers and records when, per worker, in the returned list."""
+    at = cfg.get("reset_at_s")
+    if at is None:
+        return None, []
+    targets = decode_workers(ws)[:max(1, len(decode_workers(ws)) // 2)]
+    done = []
+
+    def fire():
+        for w in targets:
+            req = urllib.request.Request(f"http://127.0.0.1:{w['port']}/reset_prefix_cache", data=b"", method="POST")
+            try:
+                urllib.request.urlopen(req, timeout=5).read()
+                done.append({"worker": w["name"], "at_unix": time.time()})
+            except OSError as e:
+                done.append({"worker": w["name"], "error": str(e)})
+
+    t = threading.Timer(float(at), fire)
+    t.start()
+    return t, done
+
+
+def start_bypass(cfg, ws, speed, cell):
+    """The `bypass` client: loadgen with the scenario's workload on another seed, `bypass` x
+    its sessions and rate, aimed at the first decode worker directly (None when off)."""
+    share = cfg.get("bypass")
+    if not share or cfg["workload"] != "synthetic":
+        return None
+    args = workload_args(cfg, speed)
+    for flag, f in (("--seed", lambda v: str(int(v) + 1000)), ("--sessions", lambda v: str(max(1, round(int(v) * share)))),
+                    ("--rate", lambda v: f"{float(v) * share:g}")):
+        if flag in args:
+            i = args.index(flag) + 1
+            args[i] = f(args[i])
+    out = os.path.join(cell, "bypass")
+    os.makedirs(out, exist_ok=True)
+    lg = [LOADGEN] + args + ["--max-output", str(cfg["max_output"]), "--sim-speedup", str(cfg["speedup"]),
+                             "--model", MODEL, "--fleet-size", "1", "--warmup", "0", "--label", "bypass",
+                             "--out", out, "--timeout-s", "300", "--target", decode_workers(ws)[0]["url"]]
+    return subprocess.Popen(lg, stdout=open(os.path.join(out, "loadgen.log"), "wb"), stderr=subprocess.STDOUT)
+
+
 def check_precise(policy, p):
     """Raises when a kvroute-tokenize / kvroute-precise cell did not run as intended: the relay
     stream never went live, or more than TOKENIZE_MAX_FAILED of the tokenize calls failed."""
@@ -868,6 +919,10 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         router_procs = [p for p in procs if all(p is not w for w in fleet_procs)]
         cpu0 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
         parts0 = {k: proc_cpu_s(v) for k, v in cpu_parts.items()}
+        reset_timer, resets = start_resets(cfg, ws)
+        bypass = start_bypass(cfg, ws, speed, cell)
+        if bypass is not None:
+            procs.append(bypass)
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
             if use_relay:
                 # The streams' liveness sampled through the run, the least live gateway's (a
@@ -886,6 +941,10 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                     precise["stream_live_max"] = max(live) if live else None
             else:
                 rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
+        if reset_timer is not None:
+            reset_timer.cancel()
+        if bypass is not None:
+            bypass.wait(timeout=120)
         cpu1 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
         parts1 = {k: proc_cpu_s(v) for k, v in cpu_parts.items()}
         for i, a in enumerate(admins):
@@ -908,6 +967,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             if "glue" in cpu_parts and n_gw == 1:
                 s["glue"] = peers_dynamo.glue_stats(sys.modules[__name__], url)
         s["fleet_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
+        if resets:
+            s["resets"] = resets
         if precise is not None:
             # What the filter did with tokenization and the relay stream, and (precise) the
             # relay's own counters, at the end of the run; written before any check fails.
