@@ -658,7 +658,7 @@ def shipped() -> dict[str, tuple[Site, list[Upstream], dict | None]]:
                        "relay-2) under the name `kvroute-relay`, an alias that exists only on the private",
                        "network it shares with that relay (docker-compose.yaml). Precise mode: the workers",
                        "publish vLLM-format KV cache events, the relay serves them re-keyed over gRPC, and",
-                       "text prompts are tokenized by a decode worker (POST /tokenize) so the events match.",
+                       "a decode worker's POST /tokenize (beside each request) maps text prompts to them.",
                        "The relays share the two gateways' decisions over NATS.",
                        "",
                        "Differences from envoy/demo.yaml (loopback ports), all from scripts/envoyconf.py's Site:",

@@ -924,7 +924,7 @@ def vllm_kvroute(poll_ms: int = 0, tokenize: bool = False, relay: bool = False, 
         # over the default 1 s here (counted as metrics_error), so allow 3 s.
         cfg["metrics"] = {"poll_ms": poll_ms, "path": "/metrics", "cluster_suffix": "-metrics", "timeout_ms": 3000}
     if tokenize:
-        cfg["tokenize"] = {"cluster": "vllm-1", "timeout_ms": 500}
+        cfg["tokenize"] = {"cluster": "vllm-1"}
     cfg.update(extra)
     return cfg
 

@@ -39,7 +39,6 @@ from kvstack import (  # noqa: E402
     Relay,
     Stack,
     VllmWorker,
-    request,
     sse_usage,
     start_vllm,
     stream,
@@ -247,10 +246,11 @@ def test_reset_prefix_cache_empties_that_workers_entries(fleet):
         assert_relay_decoded_everything(fleet)
 
 
-def test_tokenize_callout_gives_the_engines_own_ids(fleet):
-    """Chat prompts hashed from the ids vLLM's /tokenize returns: the prompt length kvroute
-    reports is the engine's exactly, and the next turn's prediction matches the engine's
-    cached tokens (which only the same ids can give: the events carry ids)."""
+def test_tokenize_maps_chat_text_to_the_engines_blocks(fleet):
+    """Chat prompts route on their text at once; vLLM's /tokenize, asked beside the request,
+    maps the text blocks to the engine's blocks (issue 42), so the next turns find the engine's
+    reported cache: they stay on the first turn's worker and the predicted cached tokens are
+    close to vLLM's `cached_tokens` (text blocks count in estimated tokens, not exactly)."""
     with gateway(fleet, precise=True, tokenize=True) as s:
         msgs = [{"role": "system", "content": text(77, 2500)}]
         first = None
@@ -260,21 +260,17 @@ def test_tokenize_callout_gives_the_engines_own_ids(fleet):
             status, h, body = s.post(CHAT, {"model": VLLM_MODEL, "messages": msgs, "max_tokens": 2})
             assert status == 200, body[:300]
             usage = json.loads(body)["usage"]
-            _, _, tok = request(fleet.workers[0].port, "POST", "/tokenize",
-                                {"model": VLLM_MODEL, "messages": msgs, "add_generation_prompt": True})
-            assert len(json.loads(tok)["tokens"]) == usage["prompt_tokens"]
-            assert int(h["x-kvroute-prompt-tokens"]) == usage["prompt_tokens"], (h, usage)
             first = first or h["x-worker-id"]
             assert h["x-worker-id"] == first
             if turn:
                 predicted = int(h["x-kvroute-predicted-cached-tokens"])
                 cached = usage["prompt_tokens_details"]["cached_tokens"]
-                assert cached > 300 and abs(predicted - cached) <= BLOCK, (turn, predicted, cached)
+                assert cached > 300 and abs(predicted - cached) <= max(4 * BLOCK, 0.12 * cached), \
+                    (turn, predicted, cached)
             msgs = msgs + [{"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]}]
-            time.sleep(0.1)
+            time.sleep(0.3)
         st = s.stats()
-        assert st.get("kvroute_tokenize_ok_total", 0) == n, st
-        assert st.get("kvroute_tokenize_failed_total", 0) == 0, st
+        assert st.get("kvroute_tokenize_ok_total", 0) >= 1, st
 
 
 def test_orca_and_the_metrics_poller_read_the_engine(fleet):
