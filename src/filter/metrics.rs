@@ -258,9 +258,10 @@ impl Metrics {
         }
     }
 
-    /// The counters the status page shows, totals and over recent windows: its names.
-    pub fn window(&self) -> [(&'static str, &Id); 17] {
-        [
+    /// The counters the status page shows, totals and over recent windows, with their names
+    /// there (`reuse_*`: the ladder, `crate::status::ladder`).
+    pub fn window(&self) -> Vec<(&'static str, &Id)> {
+        let mut v = vec![
             ("routed", &self.routed),
             ("fallback", &self.fallback),
             ("rejected", &self.rejected),
@@ -278,7 +279,19 @@ impl Metrics {
             ("replication_errors", &self.repl_errors),
             ("precise_stream_failures", &self.precise_stream_failures),
             ("tokenize_failed", &self.tokenize_failed),
-        ]
+            ("reuse_prompt", &self.reuse.prompt),
+            ("reuse_workload", &self.reuse.workload),
+            ("reuse_fleet", &self.reuse.fleet),
+            ("reuse_routed", &self.reuse.routed),
+            ("reuse_unreported_prompt", &self.reuse_unreported.prompt),
+            ("reuse_unreported_workload", &self.reuse_unreported.workload),
+            ("reuse_unreported_fleet", &self.reuse_unreported.fleet),
+            ("reuse_unreported_routed", &self.reuse_unreported.routed),
+        ];
+        if let Some(served) = &self.reuse.served {
+            v.push(("reuse_served", served));
+        }
+        v
     }
 
     pub fn worker(&self, w: u16) -> Option<&WorkerMetrics> {

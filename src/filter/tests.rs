@@ -2021,6 +2021,14 @@ fn the_status_page_is_answered_locally_with_the_routers_state() {
         page["counters"]["last_60s"]["grew"]["routed"], 0,
         "sampled after"
     );
+    // The reuse ladder's view, out of its counters.
+    let ladder = &page["ladder"]["total"];
+    assert!(ladder["reported"]["tokens"]["served"].is_u64(), "{ladder}");
+    assert!(
+        ladder["unreported"]["tokens"]["prompt"].is_u64(),
+        "{ladder}"
+    );
+    assert!(ladder["unreported"]["tokens"].get("served").is_none());
     assert_eq!(page["precise"]["enabled"], false);
     assert_eq!(page["replication"]["serving"], true);
     // A load report shows with its age.

@@ -199,6 +199,12 @@ def workload(stack: Stack) -> dict:
     return {"requests": 12 + 4 + 1, "served": served, "cached_tokens": cached}
 
 
+def ordered(share: dict, tol: float = 0.02) -> bool:
+    """The ladder's rungs (shares of the prompt tokens) in order, within `tol`."""
+    rungs = [share[r] for r in ("workload", "fleet", "routed", "served")]
+    return all(a >= b - tol for a, b in zip(rungs, rungs[1:]))
+
+
 def panels() -> list[dict]:
     with open(DASHBOARD) as f:
         dash = json.load(f)
@@ -242,6 +248,15 @@ def test_every_dashboard_query_returns_data(run):
     assert kinds["usage"] > 0, kinds
     healthy = values(got[("Worker health and failures", "healthy {{worker}}")])
     assert healthy == [1.0, 1.0], healthy
+    share = {r["metric"]["rung"]: float(r["value"][1])
+             for r in got[("Reuse ladder (share of prompt tokens)", "{{rung}}")]}
+    # Ordered (workload >= fleet >= routed >= served, 2 % of the prompt tokens tolerance),
+    # and the repeated documents are reused: most of two asks in three.
+    assert ordered(share), share
+    assert 0.3 < share["routed"] <= 1.0, share
+    lost = {k: values(got[("Where reuse is lost (share of prompt tokens)", k)])[0]
+            for k in ("capacity", "balancing", "index")}
+    assert all(-0.02 <= v <= 1.0 for v in lost.values()), lost
 
 
 def test_status_page_on_the_internal_listener_matches_the_workload(run):
@@ -273,6 +288,12 @@ def test_status_page_on_the_internal_listener_matches_the_workload(run):
     grew = page["counters"]["last_60s"]["grew"]
     assert grew["routed"] + grew["fallback"] == figures["requests"], page["counters"]
     assert page["counters"]["last_60s"]["span_ms"] < 60_000
+    # The reuse ladder, in total and over the last minute (all of it: the stack is younger).
+    ladder = page["ladder"]["total"]["reported"]
+    assert ladder["tokens"]["prompt"] > 0 and ladder["tokens"]["routed"] > 0, page["ladder"]
+    sh = ladder["share"]
+    assert ordered(sh), sh
+    assert page["ladder"]["last_60s"]["reported"]["tokens"] == ladder["tokens"], page["ladder"]
     # Anything else on the internal listener is Envoy's 404; other methods on the page, 405.
     assert request(stack.internal, "GET", "/v1/models")[0] == 404
     assert request(stack.internal, "POST", STATUS, {"x": 1})[0] == 405
