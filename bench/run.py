@@ -71,11 +71,16 @@ MODEL = "mock-model"
 # max-batched-tokens 8192), so eviction and preemption happen as they would; kv_blocks,
 # block_size, max_num_seqs, max_batched_tokens override it when set. mock_flags are extra
 # mock-worker flags, e.g. "--enable-prompt-tokens-details" (real vLLM's defaults otherwise).
-# prefill_workers: how many of the workers are a prefill pool (`--role prefill`, handing the KV
-# to the decode worker kvroute names); kvroute then runs with disaggregation at its defaults,
-# every other policy routes to the decode workers only (bench/README.md, Prefill pool).
+# pool_workers: how many of the same `workers` the kvroute-pool policy starts as its prefill
+# pool (`--role prefill`, handing the KV to the decode worker kvroute names; disaggregation at
+# its defaults); None: a quarter of the fleet, at least 1 (2 of 8, the split the pool runs of
+# bench/results/*-pool measured). Every other policy, kvroute included, routes over all of them.
+# prefill_workers (legacy, only when set): the last M workers are a pool for every cell, kvroute
+# runs with it and every other policy routes to the decode workers only, so kvroute has M more
+# workers than its peers and its targets are not judged (bench/README.md, Prefill pool).
 COMMON = dict(
     workers=8,
+    pool_workers=None,
     prefill_workers=0,
     speedup=4.0,
     mock_preset="llama3-8b-h100",
@@ -163,7 +168,7 @@ PRESETS = {
     "full": dict(COMMON, n_loads=3, overhead_requests=[1000, 1000, 300, 100], saturate_s=5.0,
                  goodput=True, repeats=2, bisect="auto", budget_min=37.0),
 }
-POLICIES = ["kvroute", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
+POLICIES = ["kvroute", "kvroute-pool", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
             "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
             "envoy-ring-hash", "envoy-steer-rr", "envoy-steer-rr-buffered", "sglang-cache-aware",
             "vllm-router-cache-aware", "oracle"] + peers_dynamo.POLICIES
@@ -476,13 +481,47 @@ def prefill_pool(cfg):
     return m
 
 
-def pool_note(cfg):
-    """How results.md names a fleet's prefill pool: the engines' hit rate counts a handed-off
+def pool_size(cfg):
+    """kvroute-pool's prefill pool: `pool_workers` of the fleet (None: a quarter, at least 1)."""
+    m = cfg.get("pool_workers")
+    m = max(1, cfg["workers"] // 4) if m is None else int(m)
+    if m < 1 or m >= cfg["workers"]:
+        raise ValueError(f"pool_workers {m}: must be 1 to workers - 1 ({cfg['workers'] - 1})")
+    return m
+
+
+def cell_cfg(cfg, policy):
+    """The config one policy's cells run with: kvroute-pool starts pool_size of the same workers
+    as a prefill pool; the legacy prefill_workers (a pool for every cell) cannot be mixed in."""
+    if policy != "kvroute-pool":
+        return cfg
+    if prefill_pool(cfg):
+        raise ValueError("kvroute-pool with prefill_workers set: use one (pool_workers sizes kvroute-pool's pool)")
+    return dict(cfg, prefill_workers=pool_size(cfg))
+
+
+def fleet_split(cfg, policy):
+    """(decode workers, prefill-pool workers) of a policy's cells (the peers and the oracle use
+    the decode ones only)."""
+    m = prefill_pool(cell_cfg(cfg, policy))
+    return cfg["workers"] - m, m
+
+
+def pool_note(cfg, policies=()):
+    """How results.md names the fleets' prefill pools: the engines' hit rate counts a handed-off
     prompt twice (prefill worker, then the decode worker that receives its KV), so it is not
     comparable with a fleet without one."""
     m = prefill_pool(cfg)
-    return (f" ({cfg['workers'] - m} decode, {m} a prefill pool (`--role prefill`), kvroute's disaggregation on; "
-            "other policies route to the decode workers; hit rates count a handed-off prompt on both sides)") if m else ""
+    if m:
+        return (f" ({cfg['workers'] - m} decode, {m} a prefill pool (`--role prefill`), kvroute's disaggregation on; "
+                "other policies route to the decode workers only, so kvroute had more workers than they did; "
+                "hit rates count a handed-off prompt on both sides)")
+    if "kvroute-pool" in policies:
+        d, m = fleet_split(cfg, "kvroute-pool")
+        return (f"; every policy routes over all {cfg['workers']} except kvroute-pool: {d} decode + {m} of the same "
+                f"{cfg['workers']} a prefill pool (`--role prefill`, kvroute's disaggregation on; its hit rate counts "
+                "a handed-off prompt on both sides)")
+    return ""
 
 
 def decode_workers(ws):
@@ -844,6 +883,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     t_cell = time.time()
     label = policy
     policy, n_gw = parse_label(label)
+    cfg = cell_cfg(cfg, policy)
     if n_gw == 1 and policy.endswith("-noshare"):
         policy = policy[:-len("-noshare")]  # one gateway: nothing to share
     events = policy in EVENT_POLICIES
@@ -1554,7 +1594,52 @@ def analyze(cfg, res):
                           hit_rate_source=main.get("hit_rate_source", "usage")))
     res["table"] = table
     res["envelope_beaten"] = envelope_beaten(cfg, res)
-    res["targets"] = targets(cfg, res) + precise_targets(cfg, res) + replica_targets(cfg, res)
+    res["targets"] = (unequal_fleets(cfg, targets(cfg, res)) + pool_rows(cfg, res) + precise_targets(cfg, res)
+                      + replica_targets(cfg, res))
+
+
+def unequal_fleets(cfg, rows):
+    """The legacy prefill_workers gives kvroute a pool its peers do not route to: its targets
+    against them are shown but not judged (a gain from extra hardware is not a routing gain)."""
+    m = prefill_pool(cfg)
+    if not m:
+        return rows
+    return [dict(r, status=f"not comparable (kvroute had {m} prefill workers more than its peers; "
+                           f"was {r['status']})") for r in rows]
+
+
+def pool_rows(cfg, res):
+    """kvroute-pool (its pool taken from the same workers the peers route over) against the best
+    peer: TTFT p50 / p90 and hit rate at each load, goodput at each SLO. Informational rows
+    (status `pool`): kvroute's targets are judged on kvroute without the pool."""
+    P = res["policies"]
+    kp = P.get("kvroute-pool")
+    peers = [p for p in PEERS if P.get(p, {}).get("runs")]
+    if not kp or not kp.get("runs") or not peers:
+        return []
+    d, m = fleet_split(cfg, "kvroute-pool")
+    who = f"kvroute-pool ({d} decode + {m} pool of the same {cfg['workers']})"
+    rows = []
+    for sp in sorted(cfg["speeds"]):
+        x = kp["runs"].get(f"{sp:g}")
+        ys = [(P[p]["runs"][f"{sp:g}"], p) for p in peers if f"{sp:g}" in P[p]["runs"]]
+        ys = [(y, p) for y, p in ys if y["ttft_sim_s"]["p50"] is not None]
+        if not x or x["ttft_sim_s"]["p50"] is None or not ys:
+            continue
+        y, p = min(ys, key=lambda t: t[0]["ttft_sim_s"]["p50"])
+        rows.append(dict(target=f"{who}: TTFT p50 / p90, hit at {cfg['load_name']} {sp:g} vs the peer with the lowest p50",
+                         value=f"{fmt(x['ttft_sim_s']['p50'])} / {fmt(x['ttft_sim_s']['p90'])} s, {x['hit_rate']:.3f}",
+                         reference=f"{p}: {fmt(y['ttft_sim_s']['p50'])} / {fmt(y['ttft_sim_s']['p90'])} s, "
+                                   f"{y['hit_rate']:.3f}", status="pool"))
+    for slo in cfg["slos"] if cfg.get("goodput") else []:
+        k = (kp.get("goodput") or {}).get(f"{slo:g}")
+        refs = [((P[p].get("goodput") or {}).get(f"{slo:g}"), p) for p in peers]
+        refs = [t for t in refs if t[0]]
+        if k and refs:
+            ref, rp = max(refs, key=lambda t: t[0]["value"])
+            rows.append(dict(target=f"{who}: goodput @ TTFT p90 <= {slo:g} s vs best peer", value=gp_text(k),
+                             reference=f"{rp}: {gp_text(ref)}", status="pool"))
+    return rows
 
 
 def envelope_beaten(cfg, res):
@@ -1929,9 +2014,19 @@ def precise_markdown(cfg, res):
             "full stat dump is in results.json (`runs.<load>.precise`)."]
 
 
-SUMMARY_POLICIES = ["kvroute", "kvroute-noshare", "kvroute-precise-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
+SUMMARY_POLICIES = ["kvroute", "kvroute-pool", "kvroute-noshare", "kvroute-precise-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-round-robin",
                     "envoy-ring-hash", "envoy-least-request", "envoy-random", "envoy-steer-rr",
                     "envoy-steer-rr-buffered", "oracle"]
+
+
+def row_label(cfg, label):
+    """A summary row's policy, with its workers where not every row had the same ones: `kvroute-pool
+    (6 + 2 pool)`; with the legacy prefill_workers, kvroute's rows `(6 + 2 pool)`, the others `(6)`."""
+    pol = parse_label(label)[0]
+    d, m = fleet_split(cfg, pol)
+    if not m and not prefill_pool(cfg):
+        return label
+    return f"{label} ({d} + {m} pool)" if m and pol.startswith("kvroute") else f"{label} ({d})"
 
 
 def summary_markdown(res):
@@ -1972,7 +2067,7 @@ def summary_markdown(res):
                              f"{fmt(x['ttft_sim_s']['p90'], 2)}{err} | {x['hit_rate']:.3f}{hs} | "
                              f"{x['max_over_mean_requests']:.2f}")
             cells += ["- | - | - | -"] * (nl - len(cells))
-            L.append(f"| {n} | {pol} | " + " | ".join(cells) + " |")
+            L.append(f"| {n} | {row_label(c, pol)} | " + " | ".join(cells) + " |")
     L += ["", "## Targets (kvroute, default config)", ""]
     if any(s["split"] != "heldout" for _, s in sc):
         L += ["Not the held-out split: the targets are judged on held-out runs; these are for tuning.", ""]
@@ -1988,7 +2083,11 @@ def summary_markdown(res):
           f"{sum(x.startswith('undecided') for x in st)} undecided, "
           f"{sum(x.startswith('not measured') for x in st)} not measured. Goodput targets compare the "
           "load knob (bisected where the full preset ran it, see each scenario); `undecided`: a bound at the "
-          "cap or the floor of the search does not settle it."]
+          "cap or the floor of the search does not settle it."
+          + (" `pool`: kvroute-pool's own rows (its prefill pool is part of the same workers the peers route "
+             "over), shown, not judged: the targets are kvroute's without the pool." if "pool" in st else "")
+          + (" `not comparable`: kvroute had a prefill pool (`prefill_workers`) its peers did not route to."
+             if any(x.startswith("not comparable") for x in st) else "")]
     beat = [f"{n}: {b['policy']} at {b['load']:g}" for n, s in sc for b in s.get("envelope_beaten") or []]
     if beat:
         L += ["", "**The oracle envelope was beaten** (p90 TTFT below the best oracle setting at the same load) by "
@@ -2034,7 +2133,7 @@ def scenario_markdown(cfg, res):
               f"{cfg['max_output']} (first {cfg['warmup']} requests not measured); load = new sessions per "
               "simulated second")
     L = ["", f"## Scenario {cfg['scenario']} ({cfg['split']})", "", cfg["description"] + "  ",
-         f"Fleet: {cfg['workers']} mock workers{pool_note(cfg)}, Dynamo timing model, --speedup {cfg['speedup']:g}, "
+         f"Fleet: {cfg['workers']} mock workers{pool_note(cfg, res.get('policies') or ())}, Dynamo timing model, --speedup {cfg['speedup']:g}, "
          f"`{' '.join(mock_args(cfg))}` ({cfg['kv_blocks']} blocks x {cfg['block_size']} tokens of KV each)  ",
          f"Workload: {wl}  ",
          f"Infinite-cache reuse ceiling: {fmt(res.get('reuse_ceiling_all'))} of prompt tokens over the run, "
@@ -2447,6 +2546,8 @@ def run_scenario(cfg, policies, rawdir):
     """One scenario: every policy at every load of the sweep, then (cfg goodput) the bisection
     of the chosen (policy, SLO) pairs and the repeats of their deciding loads, all through one
     cache of runs; returns its results.json section."""
+    for pol in policies:
+        cell_cfg(cfg, parse_label(pol)[0])  # kvroute-pool with the legacy prefill_workers: refused here
     resolve_capacity(cfg, rawdir)
     sres = {"config": cfg, "description": cfg["description"], "split": cfg["split"],
             "split_label": cfg["split_label"], "policies": {}, "not_run": {}, "bisected": []}
