@@ -464,7 +464,8 @@ def kvroute_config(cfg, ws, extra):
     # Debug headers off as shipped: building x-kvroute-costs re-scores every candidate and
     # formats each term, per request. On (`--set kvroute_debug=true`), loadgen records the
     # costs as route_costs in requests.jsonl.
-    extra = {"debug_headers": bool(cfg.get("kvroute_debug")), **(extra or {})}
+    # kvroute_extra: the scenario's plugin settings (e.g. `lora` for the adapters it serves).
+    extra = {"debug_headers": bool(cfg.get("kvroute_debug")), **cfg.get("kvroute_extra", {}), **(extra or {})}
     return envoyconf.bench_plugin(upstreams(cfg, ws), cfg["block_size"], extra)
 
 
@@ -694,7 +695,7 @@ def scrape(ws):
             for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
                          "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total",
                          "mock:kv_evicted_blocks_total", "mock:engine_passes_total",
-                         "mock:engine_simulated_seconds_total"):
+                         "mock:engine_simulated_seconds_total", "mock:lora_loads_total"):
                 if line.startswith(name + "{") or line.startswith(name + " "):
                     tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return tot
@@ -1050,6 +1051,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         s["engine_hit_rate"] = m.get("vllm:prefix_cache_hits_total", 0.0) / q if q else None
         s["preemptions"] = m.get("vllm:num_preemptions_total")
         s["evicted_blocks"] = m.get("mock:kv_evicted_blocks_total")
+        s["adapter_loads"] = m.get("mock:lora_loads_total")
         if s.get("cached_tokens", 0) == 0 and s["engine_hit_rate"]:
             # Workers without --enable-prompt-tokens-details (vLLM's default) report no
             # cached_tokens: the engine's own count stands in.
@@ -1068,6 +1070,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             f"TPOT p90 {fmt((s.get('tpot_sim_s') or {}).get('p90'), 4)} s, hit {s['hit_rate']:.3f} "
             f"(ceiling {fmt(s.get('reuse_ceiling_all'))}), max/mean {s['max_over_mean_requests']:.2f}, "
             f"preempt {s['preemptions']}, evicted {s['evicted_blocks']}, "
+            + (f"adapter loads {int(s['adapter_loads'])}, " if s.get("adapter_loads") is not None else "")
             + (f"handed off {s['handed_off']}/{s.get('ok', '?')}, " if s.get("handed_off") else "")
             + (f"router CPU {s['router_cpu_ms_per_request']:.2f} ms/request"
                + "".join(f" ({k} {v:.2f})" for k, v in s.get("cpu_parts_ms_per_request", {}).items())
@@ -2776,7 +2779,7 @@ def main():
             overrides[k] = v
     if a.mock_flags is not None:
         overrides["mock_flags"] = a.mock_flags
-    names = (list(scenarios.SCENARIOS) if a.scenario == "all" else list(scenarios.QUICK) if a.scenario == "quick"
+    names = ([n for n, sc in scenarios.SCENARIOS.items() if not sc.get("by_name_only")] if a.scenario == "all" else list(scenarios.QUICK) if a.scenario == "quick"
              else a.scenario.split(","))
     for n in names:
         if n not in scenarios.SCENARIOS:

@@ -108,6 +108,27 @@ SCENARIOS = {
         args=["--system-prompts", "48", "--system-tokens", "8192", "--zipf", "1.1", "--doc-fraction", "0",
               "--user-tokens", "100"],
     ),
+    "lora": dict(
+        description="8 LoRA adapters of Zipf 1.0 popularity on 4 workers with 2 adapter slots each "
+                    "(vLLM --max-loras 2, 50 ms loads), 16 tenants' 2k-token system prompts, 1-3 turns",
+        workload="synthetic",
+        set=dict(workers=4, speedup=2.0, kv_blocks=SMALL_KV,
+                 mock_flags="--enable-lora --lora-modules " + " ".join(f"adapter-{i}=/a/{i}" for i in range(8))
+                            + " --max-loras 2 --lora-load-ms 50",
+                 kvroute_extra={"lora": {"adapters": [f"adapter-{i}" for i in range(8)], "max_loras": 2,
+                                         "load_ms": 50}}),
+        dev=dict(seed=707),
+        heldout=dict(seed=808),
+        sessions=160,
+        turns=(1, 3),
+        think_s=0.5,
+        loads=[8.0, 16.0],
+        expected_s=200,
+        # Not in `all` (make bench): run it by name, `--scenario lora`.
+        by_name_only=True,
+        args=["--adapters", "8", "--adapter-zipf", "1.0", "--system-prompts", "16", "--system-tokens", "2048",
+              "--zipf", "1.1", "--doc-fraction", "0", "--user-tokens", "200"],
+    ),
     "agentic": dict(
         description="agent sessions: 2k-token system prompt (4 agents), 4-12 turns, each adding "
                     "500-3000 tokens of tool output plus a short reply (32 tokens), 0.5 s tool time",
