@@ -1607,7 +1607,7 @@ def unequal_fleets(cfg, rows):
     m = prefill_pool(cfg)
     if not m:
         return rows
-    return [dict(r, status=f"not comparable (kvroute had {m} prefill workers more than its peers; "
+    return [dict(r, status=f"not comparable (kvroute had {m} prefill worker{'s' if m > 1 else ''} more than its peers; "
                            f"was {r['status']})") for r in rows]
 
 
