@@ -306,6 +306,16 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
         w.sort_unstable();
         assert_eq!(r.waiting, w);
         assert_eq!(parse_lora(VLLM), None);
+        // vLLM 0.32 (CPU build, --max-loras 1), as served: old label sets stay.
+        let real = "vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"sql\"} 1.7958853459156249e+09
+vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.7958853459874575e+09
+vllm:lora_requests_info{max_lora=\"1\",running_lora_adapters=\"chat\",waiting_lora_adapters=\"chat\"} 1.7958853475324786e+09
+";
+        let r = parse_lora(real).unwrap();
+        assert_eq!(
+            (r.max_lora, r.running, r.waiting),
+            (Some(1), vec![id("chat")], vec![id("chat")])
+        );
         assert_eq!(
             parse_labels(r#"m{a="x\\y\"",b="1"} 2"#).unwrap(),
             vec![("a", "x\\y\"".to_string()), ("b", "1".to_string())]

@@ -263,7 +263,7 @@ LoRA adapters (vLLM's flags; a request names an adapter in `model`):
                                used idle adapter is replaced
   --lora-load-ms F             Loading an adapter into a slot stalls that engine pass
                                [default: 50: a rank-16 Llama-3.1-8B adapter, 84 MB, at ~1.5 GB/s]
-  /metrics adds vllm:lora_requests_info{max_lora,waiting_lora_adapters,running_lora_adapters}
+  /metrics adds vllm:lora_requests_info{max_lora,running_lora_adapters,waiting_lora_adapters}
   (value: when that label set was last current, as vLLM; old sets stay) and
   mock:lora_loads_total.
 

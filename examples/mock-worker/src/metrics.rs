@@ -70,7 +70,8 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 }
 
 /// vLLM's `vllm:lora_requests_info`: one series per label set ever current, valued with
-/// when it last was (unix seconds; a reader takes the newest), labels in vLLM's order; and
+/// when it last was (unix seconds; a reader takes the newest), labels in vLLM 0.32's order
+/// (seen on the CPU build: max_lora, running, waiting); and
 /// the mock's count of adapter loads.
 pub fn render_lora(o: &mut String, max_lora: usize, info: &[((String, String), f64)], loads: u64) {
     family(
@@ -82,7 +83,7 @@ pub fn render_lora(o: &mut String, max_lora: usize, info: &[((String, String), f
     for ((waiting, running), t) in info {
         let _ = writeln!(
             o,
-            "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{waiting}\",running_lora_adapters=\"{running}\"}} {t}"
+            "vllm:lora_requests_info{{max_lora=\"{max_lora}\",running_lora_adapters=\"{running}\",waiting_lora_adapters=\"{waiting}\"}} {t}"
         );
     }
     let name = "mock:lora_loads_total";
