@@ -1,0 +1,199 @@
+"""Knob ablation: does each selection-cost term earn its place?
+
+Runs bench/run.py once per (fleet size, repeat, variant) on the held-out split, the variant as
+the `kvroute-tuned` policy with one cost term switched off, the shipped defaults as `kvroute`,
+and compares every (scenario, load) cell of the variant against the spread of the default's
+repeats. A term whose removal moves no cell beyond that spread is a candidate for the cut.
+
+    build/bench-venv/bin/python bench/ablate.py --name ablation \
+        [--scenario shared-context,agentic,docqa] [--workers 8,4] [--repeats 2] [--variants all]
+    build/bench-venv/bin/python bench/ablate.py --name ablation --report-only
+
+A smaller fleet runs each scenario's loads scaled by workers / 8 (the scenarios' loads are set
+for 8 workers), and a synthetic scenario's sessions in proportion, so each run keeps its wall
+time and every fleet sits at the same utilisation. Results: bench/results/<name>/ablation.json
+(every cell) and results.md (the table); each bench run's own record stays under runs/.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import scenarios  # noqa: E402
+
+# One term off per variant, by the names x-kvroute-costs prints; the values are what turns the
+# term off (src/config.rs ScoringConfig: 0 disables, kv_watermark 1 charges memory only past a
+# full cache).
+VARIANTS = {
+    "recompute": {"recompute_weight": 0.0, "recompute_weight_min": 0.0},
+    "recompute-growth": {"recompute_weight": 0.0},
+    "duplicate+copy": {"duplicate_weight": 0.0, "copy_weight": 0.0},
+    "decode": {"decode_weight": 0.0},
+    "interfere": {"decode_interference": 0.0},
+    "memory": {"kv_watermark": 1.0},
+    "balance": {"cache_balance": 0.0},
+    "share": {"request_ratio": 0.0, "request_ratio_saturated": 0.0},
+    "share-saturated": {"request_ratio_saturated": 0.0},
+    "share-family": {"request_ratio_family": 0.0},
+}
+# The cells compared: (label, key in a run's record, quantile); lower is better for all but hit.
+METRICS = [("ttft_p90", "ttft_sim_s", "p90"), ("ttft_p50", "ttft_sim_s", "p50"),
+           ("tpot_p90", "itl_sim_s", "p90"), ("hit", "hit_rate", None)]
+BASE_WORKERS = 8
+
+
+def run_one(args, name, scenario, workers, policy, tuned):
+    sc = scenarios.SCENARIOS[scenario]
+    loads = [x * workers / BASE_WORKERS for x in sc["loads"][:2]]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--preset", "quick", "--scenario", scenario,
+           "--split", "heldout", "--policies", policy, "--no-overhead", "--name", name,
+           "--speeds", ",".join(f"{x:g}" for x in loads), "--set", f"workers={workers}"]
+    if workers != BASE_WORKERS and sc["workload"] == "synthetic":
+        cmd += ["--set", f"sessions={max(20, round(sc['sessions'] * workers / BASE_WORKERS))}"]
+    if tuned is not None:
+        cmd += ["--tuned", json.dumps({"scoring": tuned})]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(p.stdout[-2000:], p.stderr[-2000:], file=sys.stderr)
+        return {"error": f"run.py exited {p.returncode}"}
+    with open(os.path.join(ROOT, "bench", "results", name, "results.json")) as f:
+        rec = json.load(f)
+    runs = rec["scenarios"][scenario]["policies"][policy]["runs"]
+    cells = {}
+    for load, r in runs.items():
+        if "error" in r:
+            cells[load] = {"error": r["error"]}
+            continue
+        cells[load] = {lab: (r[key][q] if q else r[key]) for lab, key, q in METRICS}
+    return {"cells": cells, "wall_s": round(time.time() - t0, 1)}
+
+
+def measure(args, outdir, state):
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            sys.exit(f"unknown variant {v} (one of: {', '.join(VARIANTS)})")
+    for workers in [int(x) for x in args.workers.split(",")]:
+        for rep in range(args.repeats):
+            # The default runs first and last in each pass, so drift over the pass shows in its spread.
+            order = ["default"] + variants + (["default"] if args.bracket else [])
+            for i, v in enumerate(order):
+                for scenario in args.scenario.split(","):
+                    key = f"{workers}w/{scenario}/{v}/r{rep}" + ("b" if v == "default" and i else "")
+                    if key in state["runs"]:
+                        continue
+                    sub = f"{args.name}/runs/{workers}w-{scenario}-{v}-r{rep}" + ("b" if v == "default" and i else "")
+                    pol, tuned = ("kvroute", None) if v == "default" else ("kvroute-tuned", VARIANTS[v])
+                    print(f"ablate: {key}", flush=True)
+                    state["runs"][key] = dict(run_one(args, sub, scenario, workers, pol, tuned),
+                                              workers=workers, scenario=scenario, variant=v, repeat=rep)
+                    with open(os.path.join(outdir, "ablation.json"), "w") as f:
+                        json.dump(state, f, indent=1)
+
+
+def verdicts(state, tol):
+    """Per (workers, scenario, load, metric): the default's range over its runs, each variant's
+    median, and whether it is worse/better beyond the range widened by `tol` (relative)."""
+    base, var = {}, {}
+    for r in state["runs"].values():
+        for load, c in r.get("cells", {}).items():
+            if "error" in c:
+                continue
+            for lab, *_ in METRICS:
+                k = (r["workers"], r["scenario"], load, lab)
+                (base if r["variant"] == "default" else var.setdefault(r["variant"], {})).setdefault(k, []).append(c[lab])
+    out = {}
+    for v, cells in var.items():
+        rows = []
+        for k, vals in sorted(cells.items()):
+            if k not in base:
+                continue
+            lo, hi = min(base[k]), max(base[k])
+            med = statistics.median(vals)
+            higher_better = k[3] == "hit"
+            slack = tol * max(abs(lo), abs(hi), 1e-9) if not higher_better else tol
+            if higher_better:
+                worse, better = med < lo - slack, med > hi + slack
+            else:
+                worse, better = med > hi + slack, med < lo - slack
+            rows.append(dict(workers=k[0], scenario=k[1], load=k[2], metric=k[3], base_lo=lo, base_hi=hi,
+                             value=med, n=len(vals), worse=worse, better=better))
+        out[v] = rows
+    return out
+
+
+def report(state, outdir, tol):
+    vd = verdicts(state, tol)
+    lines = [f"# Knob ablation: {state['name']}", "",
+             f"Command: `{state['command']}`  ",
+             f"Started {state['date']}; held-out split; quick preset loads (scaled by workers / 8).  ",
+             "Each variant switches one term off (`kvroute-tuned`); the default (`kvroute`) runs at the "
+             "start and end of every pass. A cell is **worse** or **better** when the variant's median is "
+             f"outside the default's range over its runs widened by {tol:.0%} (hit rate: {tol:.2f} absolute). "
+             "TTFT and TPOT in simulated seconds.", "",
+             "| variant | settings | cells worse | cells better | worst cell (variant vs default range) |",
+             "|---|---|---:|---:|---|"]
+    for v, rows in vd.items():
+        worse = [r for r in rows if r["worse"]]
+        better = [r for r in rows if r["better"]]
+
+        def gap(r):
+            ref = r["base_hi"] if r["metric"] != "hit" else r["base_lo"]
+            return abs(r["value"] - ref) / max(abs(ref), 1e-9)
+        w = max(worse, key=gap, default=None)
+        ws = (f"{w['workers']}w {w['scenario']} @{w['load']} {w['metric']}: {w['value']:.3f} vs "
+              f"{w['base_lo']:.3f}-{w['base_hi']:.3f}") if w else "-"
+        lines.append(f"| {v} | `{json.dumps(VARIANTS.get(v, {}))}` | {len(worse)} / {len(rows)} | "
+                     f"{len(better)} | {ws} |")
+    lines += ["", "## Every cell", "",
+              "| variant | fleet | scenario | load | metric | default range | variant | |", "|---|---|---|---|---|---|---|---|"]
+    for v, rows in vd.items():
+        for r in rows:
+            mark = "worse" if r["worse"] else "better" if r["better"] else ""
+            lines.append(f"| {v} | {r['workers']}w | {r['scenario']} | {r['load']} | {r['metric']} | "
+                         f"{r['base_lo']:.3f}-{r['base_hi']:.3f} | {r['value']:.3f} | {mark} |")
+    errs = [k for k, r in state["runs"].items() if "error" in r]
+    if errs:
+        lines += ["", "Runs that failed: " + ", ".join(errs)]
+    with open(os.path.join(outdir, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(outdir, "verdicts.json"), "w") as f:
+        json.dump(vd, f, indent=1)
+    print("\n".join(lines[:8 + len(vd)]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="ablation")
+    ap.add_argument("--scenario", default=",".join(scenarios.QUICK))
+    ap.add_argument("--workers", default="8,4", help="fleet sizes, comma list [8,4]")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over all variants per fleet [1]")
+    ap.add_argument("--variants", default="all", help="comma list of: " + ",".join(VARIANTS))
+    ap.add_argument("--no-bracket", dest="bracket", action="store_false",
+                    help="run the default only at the start of each pass, not also at its end")
+    ap.add_argument("--tol", type=float, default=0.05, help="relative slack beyond the default's range [0.05]")
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args()
+    outdir = os.path.join(ROOT, "bench", "results", a.name)
+    os.makedirs(outdir, exist_ok=True)
+    path = os.path.join(outdir, "ablation.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            state = json.load(f)
+    else:
+        state = {"name": a.name, "command": "bench/ablate.py " + " ".join(sys.argv[1:]),
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}}
+    if not a.report_only:
+        measure(a, outdir, state)
+    report(state, outdir, a.tol)
+
+
+if __name__ == "__main__":
+    main()
