@@ -5,8 +5,8 @@
 For each policy of the run at one load: requests, uncached prompt tokens, the prefill seconds
 they cost on the engine's timing model, and p50 / p90 TPOT of the requests each worker
 served. Workers that took few, long prompts and show a high TPOT are the split between
-long-prompt and short-prompt workers that README's "Where the remaining misses come from"
-describes.
+long-prompt and short-prompt workers that docs/benchmarks.md describes among the known
+misses (p90 TPOT at the knee of the trace workloads).
 
 With --placement (Mooncake trace scenarios, run with --set
 mock_flags=--enable-prompt-tokens-details so the engines report cached tokens), also splits

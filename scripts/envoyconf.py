@@ -153,7 +153,7 @@ def retry_policy(explain: bool = True) -> dict:
         why("A worker that accepts a request and never answers: kvroute sets\n"
             "x-envoy-upstream-rq-per-try-timeout-ms on each request it steers, a bound on the\n"
             "wait for response headers from its prefill estimate (and, for a non-streaming\n"
-            "answer, its max_tokens; README \"Timeouts\"). Envoy resets a try that outlives\n"
+            "answer, its max_tokens; docs/configuration.md \"Timeouts\"). Envoy resets a try that outlives\n"
             "it and `reset` retries it on another worker, which kvroute counts against the\n"
             "stalled one (x-envoy-attempt-count > 1). The bound is disarmed once headers went\n"
             "to the client, so it never cuts a stream; no per_try_idle_timeout here, as an idle\n"
@@ -322,7 +322,7 @@ def wasm_filter(site: Site, plugin: dict) -> dict:
                 "failure_policy": "FAIL_RELOAD",
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    Note("The plugin configuration; README.md (\"Configuration\") has every key."): None,
+                    Note("The plugin configuration; docs/configuration.md has every key."): None,
                     "value": plugin_text(plugin),
                 },
             },

@@ -210,7 +210,7 @@ class RawWorker(Worker):
                 c.close()
 
 
-# Authentication (README "Authentication"): the relay's gRPC token, in the environment of
+# Authentication (docs/operations.md, "Authentication"): the relay's gRPC token, in the environment of
 # the relay and of Envoy (whose vm_config passes it to the filter, relay.token_env), and
 # NATS's user for the relays, allowed on the gateways' subjects only.
 RELAY_TOKEN_ENV = "KVROUTE_RELAY_TOKEN"
