@@ -573,7 +573,7 @@ impl Default for TokenizeConfig {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StatusConfig {
-    /// Empty: off. Put it on an internal listener only (README, "Status page").
+    /// Empty: off. Put it on an internal listener only (docs/diagnosing.md, "The status page").
     pub path: String,
 }
 
