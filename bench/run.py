@@ -31,38 +31,15 @@ import time
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvbench import log  # noqa: E402  (first: it puts scripts/ on the path)
+from kvbench.paths import (BUILD, ENVOY, LOADGEN, MOCK, MODEL, NATS, RELAY, ROOT, SGLANG,  # noqa: E402, F401
+                           TUNED_WASM, VLLMR, WASM, build_info, trace_path)
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
 from kvstack import free_port, prom_samples  # noqa: E402  (free_port: one port never handed out twice)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scenarios  # noqa: E402  (the scenario table)
 import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.path.join(ROOT, "build")
-ENVOY = os.path.join(ROOT, ".venv", "bin", "envoy")  # the project venv (make venv)
-SGLANG = os.path.join(BUILD, "sglang-venv", "bin", "sglang-router")
-VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
-MOCK = os.path.join(ROOT, "target", "release", "mock-worker")
-# Precise mode's kvroute-relay: KVROUTE_RELAY, else `make relay`'s build (its unwinding profile),
-# else a release build. It must speak the same relay protocol as the filter (WASM): pin both
-# (KVROUTE_WASM, KVROUTE_RELAY) to copies while the tree is being worked on; results.json
-# records the sha256 of each (`builds`).
-RELAY = os.environ.get("KVROUTE_RELAY") or next(
-    (p for p in (os.path.join(ROOT, "target", "relay", "kvroute-relay"),
-                 os.path.join(ROOT, "target", "release", "kvroute-relay")) if os.path.exists(p)),
-    os.path.join(ROOT, "target", "release", "kvroute-relay"))
-LOADGEN = os.path.join(ROOT, "target", "release", "loadgen")
-# Gateway replicas (--replicas, issue 15): the relays share decisions through one nats-server
-# (`make nats` puts it in the project venv).
-NATS = os.environ.get("NATS_SERVER") or os.path.join(ROOT, ".venv", "bin", "nats-server")
-# KVROUTE_WASM: measure another build of the filter (e.g. an older release) on the same harness.
-WASM = os.environ.get("KVROUTE_WASM") or os.path.join(BUILD, "kvroute.wasm")
-# KVROUTE_TUNED_WASM: the build kvroute-tuned runs (default WASM), to pair two builds of the
-# filter on the same fleet and workload (bench/paired.py --variant-wasm).
-TUNED_WASM = os.environ.get("KVROUTE_TUNED_WASM") or WASM
-MODEL = "mock-model"
 
 # Fleet and workload. The fleet runs the Dynamo mocker timing model; --speedup compresses
 # simulated time, and every latency is reported in simulated seconds (wall x speedup).
@@ -276,31 +253,6 @@ OVERHEAD_PROMPTS = ["warm", "cold"]
 def overhead_cells():
     """The latency columns: (key in results.json, prompt kind, prompt tokens)."""
     return [(f"{kind}{n}", kind, n) for n in OVERHEAD_SIZES for kind in OVERHEAD_PROMPTS]
-
-
-def build_info():
-    """The binaries this run measures (path, sha256, mtime) and the tree's commit."""
-    import hashlib
-    out = {}
-    builds = [("wasm", WASM), ("relay", RELAY), ("mock_worker", MOCK), ("loadgen", LOADGEN)]
-    if TUNED_WASM != WASM:
-        builds.append(("wasm_tuned", TUNED_WASM))
-    for name, path in builds:
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                h = hashlib.sha256(f.read()).hexdigest()
-            out[name] = dict(path=path, sha256=h, mtime=time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                     time.gmtime(os.path.getmtime(path))))
-    try:
-        out["git_head"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                                         text=True).stdout.strip()
-    except OSError:
-        pass
-    return out
-
-
-def log(*a):
-    print("[bench]", *a, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- processes
@@ -675,13 +627,6 @@ def check_routes(url, procs, policy, admins=()):
 
 
 # ---------------------------------------------------------------- one run
-
-def trace_path(cfg):
-    for d in [os.path.join(ROOT, "..", "shared", "traces", "mooncake"), "/work/shared/traces/mooncake"]:
-        p = os.path.join(d, cfg["trace"])
-        if os.path.exists(p):
-            return os.path.abspath(p)
-    raise RuntimeError(f"trace {cfg['trace']} not found (../shared/traces/mooncake)")
 
 
 def scrape(ws):
