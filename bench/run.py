@@ -17,18 +17,15 @@ Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for 
 """
 
 import argparse
-import atexit
 import dataclasses
 import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +33,8 @@ from kvbench import log  # noqa: E402  (first: it puts scripts/ on the path)
 from kvbench.paths import (BUILD, ENVOY, LOADGEN, MOCK, MODEL, NATS, RELAY, ROOT, SGLANG,  # noqa: E402, F401
                            TUNED_WASM, VLLMR, WASM, build_info, trace_path)
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
-from kvstack import free_port, prom_samples  # noqa: E402  (free_port: one port never handed out twice)
+from kvstack import prom_samples  # noqa: E402
+from kvbench.procs import Procs, free_port, http, proc_cpu_s, wait_until  # noqa: E402
 import scenarios  # noqa: E402  (the scenario table)
 import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
 
@@ -255,101 +253,7 @@ def overhead_cells():
     return [(f"{kind}{n}", kind, n) for n in OVERHEAD_SIZES for kind in OVERHEAD_PROMPTS]
 
 
-# ---------------------------------------------------------------- processes
 
-def proc_cpu_s(procs):
-    """User + system CPU seconds of these processes so far, all their threads (Linux /proc;
-    0 for a process that is gone or where /proc is missing)."""
-    total = 0
-    for p in procs:
-        try:
-            with open(f"/proc/{p.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-class Procs:
-    """Every process this suite starts, each in its own process group, stopped by pid."""
-
-    live = []
-
-    @classmethod
-    def start(cls, argv, logpath, env=None):
-        """env: variables added to this environment's."""
-        f = open(logpath, "ab")
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env=dict(os.environ, **env) if env else None)
-        f.close()
-        cls.live.append(p)
-        return p
-
-    @classmethod
-    def stop(cls, procs):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + 5
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-            if p in cls.live:
-                cls.live.remove(p)
-
-    @classmethod
-    def stop_all(cls):
-        cls.stop(list(reversed(cls.live)))
-
-
-def _on_signal(sig, _frame):
-    Procs.stop_all()
-    sys.exit(128 + sig)
-
-
-atexit.register(Procs.stop_all)
-signal.signal(signal.SIGTERM, _on_signal)
-signal.signal(signal.SIGINT, _on_signal)
-
-
-def http(method, url, body=None, timeout=5.0, headers=None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("content-type", "application/json")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
-
-
-def wait_until(fn, timeout, what, procs=()):
-    end = time.time() + timeout
-    last = None
-    while time.time() < end:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{what}: process exited with {p.returncode}")
-        try:
-            ok, last = fn()
-            if ok:
-                return last
-        except Exception as e:  # connection refused while starting
-            last = str(e)
-        time.sleep(0.2)
-    raise RuntimeError(f"{what}: not ready after {timeout:.0f} s ({last})")
 
 
 # ---------------------------------------------------------------- fleet and routers
