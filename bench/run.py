@@ -39,107 +39,13 @@ import scenarios  # noqa: E402  (the scenario table)
 from kvbench.config import (COMMON, OVERHEAD_PROMPTS, OVERHEAD_SIZES, PRESETS, cell_cfg,  # noqa: E402
                             fleet_split, mock_args, overhead_cells, prefill_pool, scenario_config)
 import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
+from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, POLICY, PRECISE_POLICIES,  # noqa: E402
+                              SHARING_POLICIES, TARGET_1_2X_PEER, TARGET_3X_RR, TARGET_PRECISE_1_3X,
+                              TOKENIZE_MAX_FAILED, expand_replicas, oracle_label, parse_label, steer_rr_filter)
 
 
-POLICIES = ["kvroute", "kvroute-pool", "kvroute-noshare", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise",
-            "kvroute-precise-noshare", "envoy-round-robin", "envoy-least-request", "envoy-random",
-            "envoy-ring-hash", "envoy-steer-rr", "envoy-steer-rr-buffered", "sglang-cache-aware",
-            "vllm-router-cache-aware", "oracle"] + peers_dynamo.POLICIES
-# Run when --policies is not given (the others stay runnable by --policies). kvroute-tokenize and
-# kvroute-precise are not: they are variants of kvroute for issue 14's comparison (like
-# kvroute-tuned), they add two runs per load to make bench's 40-minute budget, and
-# kvroute-precise needs target/release/kvroute-relay, which make bench-deps does not build.
-# Issue 43's peers (Dynamo's KV router in both modes, at its defaults and at the swept
-# prefill_load_scale, and vllm-router's kv_aware) run by default too.
-DEFAULT_POLICIES = ["kvroute", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
-                    "vllm-router-cache-aware", "oracle"] + peers_dynamo.POLICIES
-# The peers kvroute's targets compare against (issues 11, 43), and the baseline of the 3x target.
-PEERS = ["sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"] + peers_dynamo.POLICIES
-# Targets by scenario: goodput >= 1.2x the best peer at the 2 s SLO; >= 3x round-robin at 2 s.
-TARGET_1_2X_PEER = ["shared-context", "agentic", "docqa"]
-TARGET_3X_RR = ["shared-context", "docqa"]
-# Issue 14: precise mode's goodput at 2 s >= 1.3x predicted mode's (plain kvroute) on the
-# eviction-pressure scenario.
-TARGET_PRECISE_1_3X = ["docqa"]
-# kvroute variants of issue 14 (predicted mode is plain kvroute): the plugin config each adds.
-# tokenize: text and chat prompts are hashed on the engine's own token ids (POST /tokenize
-# through the round-robin pool of the workers, "decode-pool"); precise: the filter also streams
-# the engines' KV cache events from kvroute-relay (started with the fleet, per cell).
-TOKENIZE_CONFIG = {"tokenize": {"cluster": "decode-pool"}}
-PRECISE_POLICIES = {
-    "kvroute-tokenize": dict(TOKENIZE_CONFIG),
-    "kvroute-precise": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
-    "kvroute-precise-noshare": dict(TOKENIZE_CONFIG, precise={"cluster": envoyconf.RELAY_CLUSTER}),
-}
-# Precise mode: the workers publish KV events and every gateway's relay subscribes to all of them.
-EVENT_POLICIES = ["kvroute-precise", "kvroute-precise-noshare"]
-
-# Gateway replicas (issue 15, --replicas 1,2,4). A cell `POLICY@N` (N > 1) runs N gateways of
-# POLICY in front of one fleet, and one plain Envoy in front of them (no kvroute, a ROUND_ROBIN
-# cluster of the N gateway listeners: a cloud load balancer spreading requests one by one), so
-# loadgen still targets one URL. One gateway (N = 1) is the policy's usual cell, label POLICY.
-# - kvroute, kvroute-tuned, kvroute-tokenize: each gateway has its own kvroute-relay, no
-#   --engine, --nats to one nats-server; plugin `relay: {share_decisions: true}`.
-# - kvroute-noshare: the same gateways with no relay at all (each routes on what it alone saw).
-# - kvroute-precise: relays with every worker's KV events (--engine) and --nats, tokenize on,
-#   share_decisions true. kvroute-precise-noshare: the same relays without --nats,
-#   share_decisions false (the engines' events still show each gateway every worker's cache).
-# - sglang-cache-aware, vllm-router-cache-aware: N independent router processes.
-# At one gateway kvroute-noshare is kvroute and kvroute-precise-noshare kvroute-precise (not
-# run twice); Envoy's own policies and the oracle hold no routing state and run at N = 1 only.
-SHARING_POLICIES = ["kvroute", "kvroute-tuned", "kvroute-tokenize", "kvroute-precise"]
-REPLICA_POLICIES = SHARING_POLICIES + ["kvroute-noshare", "kvroute-precise-noshare", "sglang-cache-aware",
-                                       "vllm-router-cache-aware"]
 # Issue 15: with 4 gateways, sharing on, kvroute's hit rate and goodput >= 0.95x one gateway's.
 REPLICA_TARGET = 0.95
-
-
-def parse_label(label):
-    """A cell's label -> (policy, gateways): `kvroute@4` -> ("kvroute", 4), `kvroute` -> 1."""
-    if "@" in label:
-        pol, n = label.rsplit("@", 1)
-        return pol, int(n)
-    return label, 1
-
-
-def expand_replicas(policies, replicas):
-    """The cells' labels for --replicas: every policy at every count it can run at (see above)."""
-    out = []
-    for pol in policies:
-        for n in replicas:
-            if n > 1 and pol not in REPLICA_POLICIES:
-                continue
-            if n == 1 and pol.endswith("-noshare") and len(replicas) > 1:
-                continue
-            out.append(pol if n == 1 else f"{pol}@{n}")
-    return out
-# A kvroute-tokenize / kvroute-precise cell logs when more than this share of tokenize calls
-# failed (timeouts, errors: those prompts' text stays unmapped to engine blocks).
-TOKENIZE_MAX_FAILED = 0.01
-ENVOY_LB = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST",
-            "envoy-random": "RANDOM", "envoy-ring-hash": "RING_HASH"}
-# Diagnostics of the proxy path, not routers: kvroute's Envoy layout (a cluster per worker, the
-# route following x-kvroute-cluster) steered round-robin by a Lua filter instead of the wasm
-# filter; -buffered also holds each request until its whole body is in, as kvroute does. Against
-# envoy-round-robin and kvroute in one run they split the extra per-request time into the
-# layout, the body buffering and the wasm filter's own part.
-STEER_RR = {"envoy-steer-rr": False, "envoy-steer-rr-buffered": True}
-
-
-def steer_rr_filter(clusters, buffered):
-    """An Envoy Lua filter naming the clusters in turn (per Envoy thread) in x-kvroute-cluster."""
-    names = ", ".join(f'"{c}"' for c in clusters)
-    code = (f"local clusters = {{{names}}}\n"
-            "local n = 0\n"
-            "function envoy_on_request(h)\n"
-            + ("  h:body()\n" if buffered else "")
-            + "  n = n % #clusters + 1\n"
-            "  h:headers():replace(\"x-kvroute-cluster\", clusters[n])\n"
-            "  h:clearRouteCache()\n"
-            "end\n")
-    return {"name": "envoy.filters.http.lua",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                             "default_source_code": {"inline_string": code}}}
 
 
 # ---------------------------------------------------------------- fleet and routers
@@ -286,11 +192,12 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
     process, its listener URL and its admin URL. relay_port: kvroute-relay's gRPC port (the
     `kvroute-relay` cluster, precise mode)."""
     port, admin = free_port(), free_port()
+    pol = POLICY[policy]
     conf = None
-    if policy in STEER_RR:
+    if pol.router == "steer":
         conf = kvroute_config(cfg, ws, kv_extra)  # for the layout; the filter is replaced below
-    wasm = TUNED_WASM if policy == "kvroute-tuned" else WASM
-    if policy.startswith("kvroute"):
+    wasm = TUNED_WASM if pol.router == "kvroute" and pol.tuned else WASM
+    if pol.router == "kvroute":
         if not os.path.exists(wasm):
             raise RuntimeError(f"{wasm} not built (make wasm)")
         conf = kvroute_config(cfg, ws, kv_extra)
@@ -300,15 +207,15 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
         site = dataclasses.replace(site, worker_id_header=True)
     if cfg.get("envoy_timing_log"):
         site = dataclasses.replace(site, access_log=True, access_log_format=envoyconf.TIMING_LOG_FORMAT)
-    if policy in PRECISE_POLICIES:
+    if pol.plugin is not None:
         # decode-pool: round-robin over the workers, the cluster the tokenize calls go to.
         site = dataclasses.replace(site, fallback_pool=True)
     if relay_port:
         site = dataclasses.replace(site, relay=("127.0.0.1", relay_port))
-    doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, ENVOY_LB.get(policy, policy))
-    if policy in STEER_RR:
+    doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, pol.lb or "ROUND_ROBIN")
+    if pol.router == "steer":
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"] = [steer_rr_filter([w["name"] for w in ws], STEER_RR[policy]), envoyconf.ROUTER]
+        hcm["http_filters"] = [steer_rr_filter([w["name"] for w in ws], pol.buffered), envoyconf.ROUTER]
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
         f.write(envoyconf.to_yaml(doc))
@@ -553,11 +460,6 @@ def sessions_at(cfg, load):
     run is one burst of all of them and no higher load adds any: the goodput search could not
     tell a router that holds the load from one that merely drains that burst in time."""
     return max(cfg["sessions"], math.ceil(load * cfg.get("window_s", 0) - 1e-9))
-
-
-def oracle_label(setting):
-    """The name of one oracle setting (prefill_scale, held_weight), also its raw/ folder."""
-    return f"oracle-ps{setting[0]:g}-hw{setting[1]:g}"
 
 
 def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
