@@ -33,7 +33,6 @@ from kvbench import log  # noqa: E402  (first: it puts scripts/ on the path)
 from kvbench.paths import (BUILD, ENVOY, LOADGEN, MOCK, MODEL, NATS, RELAY, ROOT, SGLANG,  # noqa: E402, F401
                            TUNED_WASM, VLLMR, WASM, build_info, trace_path)
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
-from kvstack import prom_samples  # noqa: E402
 from kvbench.procs import Procs, free_port, http, proc_cpu_s, wait_until  # noqa: E402
 import scenarios  # noqa: E402  (the scenario table)
 from kvbench.config import (COMMON, OVERHEAD_PROMPTS, OVERHEAD_SIZES, PRESETS, cell_cfg,  # noqa: E402
@@ -42,7 +41,8 @@ import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc f
 from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, POLICY, PRECISE_POLICIES,  # noqa: E402
                               SHARING_POLICIES, TARGET_1_2X_PEER, TARGET_3X_RR, TARGET_PRECISE_1_3X,
                               TOKENIZE_MAX_FAILED, expand_replicas, oracle_label, parse_label, steer_rr_filter)
-from kvbench.stats import LADDER_RUNGS, fmt, hist_quantiles, merged, precise_text, sharing_text, stat  # noqa: E402
+from kvbench.metrics import envoy_kvroute_stats, ladder_stats, prom, scrape, sharing_stats  # noqa: E402
+from kvbench.stats import LADDER_RUNGS, fmt, merged, precise_text, sharing_text, stat  # noqa: E402
 
 
 # Issue 15: with 4 gateways, sharing on, kvroute's hit rate and goodput >= 0.95x one gateway's.
@@ -280,49 +280,6 @@ def check_routes(url, procs, policy, admins=()):
 
 
 # ---------------------------------------------------------------- one run
-
-
-def scrape(ws):
-    tot = {}
-    for w in ws:
-        try:
-            st, _, b = http("GET", w["url"] + "/metrics", timeout=3)
-        except Exception:
-            continue
-        for line in b.decode().splitlines():
-            for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
-                         "vllm:prefix_cache_queries_total", "mock:engine_lag_seconds_total",
-                         "mock:kv_evicted_blocks_total", "mock:engine_passes_total",
-                         "mock:engine_simulated_seconds_total", "mock:lora_loads_total"):
-                if line.startswith(name + "{") or line.startswith(name + " "):
-                    tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return tot
-
-
-def prom(url, prefixes):
-    """Samples of a Prometheus text page whose names start with one of prefixes, as
-    {'name{labels}': value} ('{}' dropped)."""
-    _, _, b = http("GET", url, timeout=5)
-    return prom_samples(b.decode(), tuple(prefixes))
-
-
-def envoy_kvroute_stats(admin):
-    """Envoy's kvroute_precise_*, kvroute_tokenize_* and kvroute_peers_* stats (admin
-    /stats/prometheus)."""
-    return prom(admin + "/stats/prometheus", ("kvroute_precise_", "kvroute_tokenize_", "kvroute_peers_"))
-
-
-def ladder_stats(admins, engines):
-    """kvroute's reuse ladder at the end of a run, summed over its gateways: tokens per rung
-    over the requests whose engine reported cached tokens (`reported`), the rest (`unreported`,
-    no served rung), and the engines' own prefix-cache counters beside them (whole run)."""
-    st = merged(prom(a + "/stats/prometheus", ("kvroute_reuse_",)) for a in admins)
-    out = {kind: {r: st.get(f'kvroute_reuse_{name}_total{{rung="{r}"}}', 0.0) for r in LADDER_RUNGS
-                  if r != "served" or kind == "reported"}
-           for kind, name in (("reported", "tokens"), ("unreported", "unreported_tokens"))}
-    out["engine_queries"] = engines.get("vllm:prefix_cache_queries_total")
-    out["engine_hits"] = engines.get("vllm:prefix_cache_hits_total")
-    return out
 
 
 def wait_stream_live(admin, procs, timeout=30.0):
@@ -636,36 +593,6 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])
-
-
-def sharing_stats(admins, relay_urls, share):
-    """What the gateways shared in one run: per gateway and summed, the filter's
-    kvroute_peers_{sent,dropped,received,errors,gone}_total and its peers delay histogram (us,
-    decision made -> applied by a peer, Envoy's buckets: quantiles are bucket upper bounds),
-    and the relays' decision counters and propagation histogram (ms)."""
-    per = []
-    for a in admins:
-        st = prom(a + "/stats/prometheus", ("kvroute_peers_",))
-        per.append(st)
-    tot = merged(per)
-    out = {"share": share, "gateways": len(admins), "per_gateway": []}
-    for name in ("sent", "dropped", "received", "errors", "gone"):
-        out["peers_" + name] = stat(tot, f"kvroute_peers_{name}_total")
-    for st in per:
-        out["per_gateway"].append({name: stat(st, f"kvroute_peers_{name}_total")
-                                   for name in ("sent", "dropped", "received", "errors", "gone")})
-    out["peers_delay_us"] = hist_quantiles(tot, "kvroute_peers_delay_us")
-    out["envoy"] = tot
-    if relay_urls:
-        rl = merged(prom(u + "/metrics", ("kvroute_relay_decision", "kvroute_relay_nats", "kvroute_relay_peers",
-                                          "kvroute_relay_streams")) for u in relay_urls)
-        out["relay"] = rl
-        for k in ("decisions_local_total", "decisions_published_total", "nats_messages_published_total",
-                  "decisions_nats_received_total", "decisions_forwarded_total", "decisions_dropped_total",
-                  "nats_errors_total"):
-            out["relay_" + k] = stat(rl, "kvroute_relay_" + k)
-        out["relay_propagation_ms"] = hist_quantiles(rl, "kvroute_relay_decision_propagation_ms")
-    return out
 
 
 # ---------------------------------------------------------------- overhead
