@@ -17,31 +17,30 @@ Run it with the bench venv's python (mk/bench.mk does): it needs matplotlib for 
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvbench import log  # noqa: E402  (first: it puts scripts/ on the path)
 from kvbench.paths import (BUILD, ENVOY, LOADGEN, MOCK, MODEL, NATS, RELAY, ROOT, SGLANG,  # noqa: E402, F401
                            TUNED_WASM, VLLMR, WASM, build_info, trace_path)
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
-from kvbench.procs import Procs, free_port, http, proc_cpu_s, wait_until  # noqa: E402
+from kvbench.procs import Procs, free_port, http, proc_cpu_s, wait_until  # noqa: E402, F401  (peers_dynamo: h.wait_until)
 import scenarios  # noqa: E402  (the scenario table)
 from kvbench.config import (COMMON, OVERHEAD_PROMPTS, OVERHEAD_SIZES, PRESETS, cell_cfg,  # noqa: E402
                             fleet_split, mock_args, overhead_cells, prefill_pool, scenario_config)
 import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
-from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, POLICY, PRECISE_POLICIES,  # noqa: E402
+from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, PRECISE_POLICIES,  # noqa: E402
                               SHARING_POLICIES, TARGET_1_2X_PEER, TARGET_3X_RR, TARGET_PRECISE_1_3X,
-                              TOKENIZE_MAX_FAILED, expand_replicas, oracle_label, parse_label, steer_rr_filter)
+                              TOKENIZE_MAX_FAILED, expand_replicas, oracle_label, parse_label)
 from kvbench.metrics import envoy_kvroute_stats, ladder_stats, prom, scrape, sharing_stats  # noqa: E402
+from kvbench.stack import (check_routes, decode_workers, resolve_capacity, start_envoy, start_fleet,  # noqa: E402
+                           start_front, start_nats, start_relay, start_resets, wait_stream_live)
 from kvbench.stats import LADDER_RUNGS, fmt, merged, precise_text, sharing_text, stat  # noqa: E402
 
 
@@ -50,66 +49,6 @@ REPLICA_TARGET = 0.95
 
 
 # ---------------------------------------------------------------- fleet and routers
-
-
-def resolve_capacity(cfg, logdir):
-    """Fills kv_blocks and block_size from what one mock worker with these flags reports
-    (vllm:cache_config_info), so kvroute's config and the tables match the preset."""
-    ws = start_fleet(cfg, logdir, n=1)
-    try:
-        _, _, b = http("GET", ws[0]["url"] + "/metrics")
-        for line in b.decode().splitlines():
-            if line.startswith("vllm:cache_config_info{"):
-                labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
-                cfg["kv_blocks"] = int(labels["num_gpu_blocks"].strip('"'))
-                cfg["block_size"] = int(labels["block_size"].strip('"'))
-    finally:
-        Procs.stop([w["proc"] for w in ws])
-    if cfg["kv_blocks"] is None or cfg["block_size"] is None:
-        raise RuntimeError("mock-worker did not report vllm:cache_config_info")
-
-
-def start_fleet(cfg, logdir, n=None, speedup=None, kv_blocks=None, kv_events=False):
-    """n mock workers (the scenario's fleet by default, its last prefill_workers a prefill
-    pool); kv_events: each publishes vLLM-format KV cache events (PUB and replay ports, for
-    kvroute-relay)."""
-    pool = 0 if n else prefill_pool(cfg)
-    n = n or cfg["workers"]
-    ports = [free_port() for _ in range(n)]
-    decode_eps = ",".join(f"127.0.0.1:{p}" for p in ports[:n - pool])
-    ws = []
-    for i, port in enumerate(ports):
-        role = "prefill" if i >= n - pool else "both"
-        argv = [MOCK, "--host", "127.0.0.1", "--port", str(port), "--name", f"w{i}",
-                "--model", MODEL,
-                "--speedup", str(speedup or cfg["speedup"])] + mock_args(cfg, kv_blocks)
-        if role == "prefill":
-            argv += ["--role", "prefill", "--allowed-decode-endpoints", decode_eps]
-        w = dict(name=f"w{i}", port=port, url=f"http://127.0.0.1:{port}", role=role)
-        if kv_events:
-            w.update(kv_events=free_port(), kv_replay=free_port())
-            argv += ["--kv-events", f"tcp://127.0.0.1:{w['kv_events']}",
-                     "--kv-events-replay", f"tcp://127.0.0.1:{w['kv_replay']}"]
-        w["proc"] = Procs.start(argv, os.path.join(logdir, f"w{i}.log"))
-        ws.append(w)
-    for w in ws:
-        wait_until(lambda w=w: (http("GET", w["url"] + "/health")[0] == 200, None), 15,
-                   f"worker {w['name']}", [w["proc"]])
-    return ws
-
-
-def kvroute_config(cfg, ws, extra):
-    # Debug headers off as shipped: building x-kvroute-costs re-scores every candidate and
-    # formats each term, per request. On (`--set kvroute_debug=true`), loadgen records the
-    # costs as route_costs in requests.jsonl.
-    # kvroute_extra: the scenario's plugin settings (e.g. `lora` for the adapters it serves).
-    extra = {"debug_headers": bool(cfg.get("kvroute_debug")), **cfg.get("kvroute_extra", {}), **(extra or {})}
-    return envoyconf.bench_plugin(upstreams(cfg, ws), cfg["block_size"], extra)
-
-
-def upstreams(cfg, ws):
-    return [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"], w.get("role", "both"), kv_blocks=cfg["kv_blocks"])
-            for w in ws]
 
 
 def pool_note(cfg, policies=()):
@@ -127,106 +66,6 @@ def pool_note(cfg, policies=()):
                 f"{cfg['workers']} a prefill pool (`--role prefill`, kvroute's disaggregation on; its hit rate counts "
                 "a handed-off prompt on both sides)")
     return ""
-
-
-def decode_workers(ws):
-    """The workers a request can be answered by: a prefill pool's workers only hand off."""
-    return [w for w in ws if w.get("role") != "prefill"]
-
-
-def start_relay(cfg, ws, logdir, nats=None):
-    """kvroute-relay subscribed to the KV events of the workers ws (precise mode; none: it only
-    shares decisions) and, with nats (a nats:// URL), sharing decisions over it; returns the
-    process, its gRPC port and its metrics URL once /health answers (and NATS is connected)."""
-    if not os.path.exists(RELAY):
-        raise RuntimeError(f"{RELAY} not built (cargo build --release -p kvroute-relay)")
-    port, mport = free_port(), free_port()
-    argv = [RELAY, "--model", MODEL, "--block-size", str(cfg["block_size"]),
-            "--listen", f"127.0.0.1:{port}", "--metrics", f"127.0.0.1:{mport}"]
-    if nats:
-        argv += ["--nats", nats]
-    for w in ws:
-        argv += ["--engine", f"{w['name']}=tcp://127.0.0.1:{w['kv_events']},replay=tcp://127.0.0.1:{w['kv_replay']}"]
-    p = Procs.start(argv, os.path.join(logdir, "relay.log"))
-    murl = f"http://127.0.0.1:{mport}"
-    wait_until(lambda: (http("GET", murl + "/health")[0] == 200, None), 15, "kvroute-relay", [p])
-    if nats:
-        def connected():
-            h = json.loads(http("GET", murl + "/health")[2])
-            return h.get("nats") == "connected", f"nats {h.get('nats')}"
-        wait_until(connected, 15, "kvroute-relay: NATS", [p])
-    return p, port, murl
-
-
-def start_nats(logdir):
-    """nats-server on a free loopback port (the gateways' relays share decisions through it)."""
-    if not os.path.exists(NATS):
-        raise RuntimeError(f"{NATS} missing (make nats)")
-    port = free_port()
-    p = Procs.start([NATS, "-a", "127.0.0.1", "-p", str(port)], os.path.join(logdir, "nats.log"))
-    import socket
-
-    def up():
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True, None
-    wait_until(up, 15, "nats-server", [p])
-    return p, f"nats://127.0.0.1:{port}"
-
-
-def start_front(cfg, urls, logdir):
-    """The cloud load balancer in front of N gateways: a plain Envoy (no kvroute), one
-    ROUND_ROBIN cluster of the gateways' listeners; returns the process and its URL."""
-    port, admin = free_port(), free_port()
-    ups = [envoyconf.Upstream(f"gw{i}", "127.0.0.1", int(u.rsplit(":", 1)[1])) for i, u in enumerate(urls)]
-    doc = envoyconf.bootstrap(envoyconf.bench_site(port, admin, WASM), ups, None, "ROUND_ROBIN")
-    path = os.path.join(logdir, "front.yaml")
-    with open(path, "w") as f:
-        f.write(envoyconf.to_yaml(doc))
-    p = Procs.start([ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart",
-                     "-l", "warning"], os.path.join(logdir, "front.log"))
-    wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "front envoy", [p])
-    return p, f"http://127.0.0.1:{port}"
-
-
-def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
-    """Envoy from scripts/envoyconf.py (bench/envoy/*.yaml show what it writes); returns the
-    process, its listener URL and its admin URL. relay_port: kvroute-relay's gRPC port (the
-    `kvroute-relay` cluster, precise mode)."""
-    port, admin = free_port(), free_port()
-    pol = POLICY[policy]
-    conf = None
-    if pol.router == "steer":
-        conf = kvroute_config(cfg, ws, kv_extra)  # for the layout; the filter is replaced below
-    wasm = TUNED_WASM if pol.router == "kvroute" and pol.tuned else WASM
-    if pol.router == "kvroute":
-        if not os.path.exists(wasm):
-            raise RuntimeError(f"{wasm} not built (make wasm)")
-        conf = kvroute_config(cfg, ws, kv_extra)
-    site = envoyconf.bench_site(port, admin, wasm)
-    if cfg.get("worker_id_header"):
-        # Engines that do not name themselves (vLLM): Envoy adds x-worker-id (bench/vllm.py).
-        site = dataclasses.replace(site, worker_id_header=True)
-    if cfg.get("envoy_timing_log"):
-        site = dataclasses.replace(site, access_log=True, access_log_format=envoyconf.TIMING_LOG_FORMAT)
-    if pol.plugin is not None:
-        # decode-pool: round-robin over the workers, the cluster the tokenize calls go to.
-        site = dataclasses.replace(site, fallback_pool=True)
-    if relay_port:
-        site = dataclasses.replace(site, relay=("127.0.0.1", relay_port))
-    doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, pol.lb or "ROUND_ROBIN")
-    if pol.router == "steer":
-        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["http_filters"] = [steer_rr_filter([w["name"] for w in ws], pol.buffered), envoyconf.ROUTER]
-    path = os.path.join(logdir, "envoy.yaml")
-    with open(path, "w") as f:
-        f.write(envoyconf.to_yaml(doc))
-    # KVROUTE_BENCH_ENVOY_WRAP: a command Envoy runs under, e.g. "strace -f -ttt -o /tmp/st.txt"
-    # (a profiler's view of one run; it slows Envoy, so not for numbers).
-    argv = os.environ.get("KVROUTE_BENCH_ENVOY_WRAP", "").split() + [
-        ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]), "--disable-hot-restart", "-l", "warning"]
-    p = Procs.start(argv, os.path.join(logdir, "envoy.log"))
-    wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30, "envoy", [p])
-    return p, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
 
 
 def start_peer(cfg, policy, ws, logdir):
@@ -250,68 +89,7 @@ def start_peer(cfg, policy, ws, logdir):
     return p, f"http://127.0.0.1:{port}"
 
 
-def kvroute_routed(admins):
-    """Requests kvroute routed, summed over the Envoy admin URLs (its own stat, so the check
-    works with debug headers off)."""
-    n = 0
-    for a in admins:
-        st, _, b = http("GET", a + "/stats?filter=kvroute.requests.routed.total")
-        for line in b.decode(errors="replace").splitlines() if st == 200 else []:
-            name, _, v = line.partition(":")
-            # wasmcustom.kvroute.requests.routed.total in Envoy's own naming
-            if name.strip().endswith("kvroute.requests.routed.total") and v.strip().isdigit():
-                n += int(v)
-    return n
-
-
-def check_routes(url, procs, policy, admins=()):
-    """Waits until the router answers a completion, and for kvroute (`admins`: its Envoys'
-    admin URLs) until the filter routed it."""
-    def ok():
-        before = kvroute_routed(admins) if admins else 0
-        st, h, b = http("POST", url + "/v1/completions",
-                        {"model": MODEL, "prompt": "ready check", "max_tokens": 1}, timeout=5)
-        hl = {k.lower(): v for k, v in h.items()}
-        steered = not admins or "x-kvroute-worker" in hl or kvroute_routed(admins) > before
-        return st == 200 and steered, (f"HTTP {st} {b[:200]!r} worker={hl.get('x-worker-id')}"
-                                       + ("" if steered else " (kvroute.requests.routed did not count it: "
-                                          "the filter did not route)"))
-    return wait_until(ok, 60, f"{policy} router", procs)
-
-
 # ---------------------------------------------------------------- one run
-
-
-def wait_stream_live(admin, procs, timeout=30.0):
-    """Waits until the filter's relay stream is live (kvroute_precise_stream_live >= 1)."""
-    def ok():
-        st = envoy_kvroute_stats(admin)
-        v = stat(st, "kvroute_precise_stream_live")
-        return v >= 1, f"kvroute_precise_stream_live {v:g}"
-    return wait_until(ok, timeout, "precise mode: the relay stream never went live", procs)
-
-
-def start_resets(cfg, ws):
-    """The `reset_at_s` reset as a timer (None when off): it empties the prefix cache of the
-    first half of the answering workers and records when, per worker, in the returned list."""
-    at = cfg.get("reset_at_s")
-    if at is None:
-        return None, []
-    targets = decode_workers(ws)[:max(1, len(decode_workers(ws)) // 2)]
-    done = []
-
-    def fire():
-        for w in targets:
-            req = urllib.request.Request(f"http://127.0.0.1:{w['port']}/reset_prefix_cache", data=b"", method="POST")
-            try:
-                urllib.request.urlopen(req, timeout=5).read()
-                done.append({"worker": w["name"], "at_unix": time.time()})
-            except OSError as e:
-                done.append({"worker": w["name"], "error": str(e)})
-
-    t = threading.Timer(float(at), fire)
-    t.start()
-    return t, done
 
 
 def start_bypass(cfg, ws, speed, cell):
