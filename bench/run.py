@@ -30,12 +30,12 @@ from kvbench import log  # noqa: E402  (first: it puts scripts/ on the path)
 from kvbench.paths import (BUILD, ENVOY, LOADGEN, MOCK, MODEL, NATS, RELAY, ROOT, SGLANG,  # noqa: E402, F401
                            TUNED_WASM, VLLMR, WASM, build_info, trace_path)
 import envoyconf  # noqa: E402  (the Envoy bootstraps, shared with envoy/demo.yaml and the tests)
-from kvbench.procs import Procs, free_port, http, proc_cpu_s, wait_until  # noqa: E402, F401  (peers_dynamo: h.wait_until)
+from kvbench.procs import Procs, free_port, http, proc_cpu_s  # noqa: E402, F401
 import scenarios  # noqa: E402  (the scenario table)
 from kvbench.config import (COMMON, OVERHEAD_PROMPTS, OVERHEAD_SIZES, PRESETS, cell_cfg,  # noqa: E402
                             fleet_split, mock_args, overhead_cells, prefill_pool, scenario_config)
-import peers_dynamo  # noqa: E402  (Dynamo, vllm-router kv_aware, the ext_proc floor: issue 43)
-from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, PRECISE_POLICIES,  # noqa: E402
+from kvbench import peers  # noqa: E402
+from kvbench.policies import (DEFAULT_POLICIES, EVENT_POLICIES, PEERS, POLICIES, POLICY, PRECISE_POLICIES,  # noqa: E402
                               SHARING_POLICIES, TARGET_1_2X_PEER, TARGET_3X_RR, TARGET_PRECISE_1_3X,
                               TOKENIZE_MAX_FAILED, expand_replicas, oracle_label, parse_label)
 from kvbench.metrics import envoy_kvroute_stats, ladder_stats, prom, scrape, sharing_stats  # noqa: E402
@@ -66,27 +66,6 @@ def pool_note(cfg, policies=()):
                 f"{cfg['workers']} a prefill pool (`--role prefill`, kvroute's disaggregation on; its hit rate counts "
                 "a handed-off prompt on both sides)")
     return ""
-
-
-def start_peer(cfg, policy, ws, logdir):
-    port = free_port()
-    urls = [w["url"] for w in decode_workers(ws)]
-    if policy.startswith("sglang"):
-        exe = SGLANG
-        argv = [SGLANG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                "--policy", "cache_aware", "--log-level", "warn",
-                "--max-concurrent-requests", "100000", "--queue-size", "100000",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    else:
-        exe = VLLMR
-        argv = [VLLMR, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                "--policy", "cache_aware", "--log-level", "warning",
-                "--max-concurrent-requests", "100000", "--queue-size", "100000",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    if not os.path.exists(exe):
-        raise RuntimeError(f"{exe} not installed (pip install failed?)")
-    p = Procs.start(argv, os.path.join(logdir, "router.log"))
-    return p, f"http://127.0.0.1:{port}"
 
 
 # ---------------------------------------------------------------- one run
@@ -181,7 +160,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     precise = None
     sharing = None
     try:
-        ws = start_fleet(cfg, cell, kv_events=events or peers_dynamo.wants_events(policy))
+        ws = start_fleet(cfg, cell, kv_events=POLICY[policy].events)
         procs = [w["proc"] for w in ws]
         cpu_parts = {}  # issue 43's peers: the router proper and our glue, measured apart
         nats = None
@@ -215,12 +194,10 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                         extra["relay"] = {"cluster": envoyconf.RELAY_CLUSTER, "share_decisions": share}
                     p, url, admin = start_envoy(cfg, policy, ws, gdir, extra, relay_port)
                     admins.append(admin)
-                elif policy in peers_dynamo.POLICIES:
-                    ps, url, cpu_parts = peers_dynamo.start(sys.modules[__name__], cfg, policy, ws, gdir)
+                else:
+                    ps, url, cpu_parts = peers.start(cfg, policy, ws, gdir)
                     procs += ps[:-1]
                     p = ps[-1]
-                else:
-                    p, url = start_peer(cfg, policy, ws, gdir)
                 procs.append(p)
                 check_routes(url, procs, policy, admins[-1:] if policy.startswith("kvroute") else ())
                 urls.append(url)
@@ -293,7 +270,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                 s["cpu_parts_ms_per_request"] = {k: round(1e3 * (parts1[k] - parts0[k]) / max(1, s["requests"]), 3)
                                                  for k in cpu_parts}
             if "glue" in cpu_parts and n_gw == 1:
-                s["glue"] = peers_dynamo.glue_stats(sys.modules[__name__], url)
+                s["glue"] = peers.glue_stats(url)
         s["fleet_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
         if resets:
             s["resets"] = resets
@@ -405,8 +382,7 @@ def run_overhead(cfg, rawdir, have_kvroute):
                 out["kvroute_error"] = str(e)
                 log(f"overhead: kvroute could not run: {e}")
         try:
-            p3, picker, url3 = peers_dynamo.start_extproc(sys.modules[__name__], envoyconf, cfg, ws,
-                                                          os.path.join(cell, "extproc"))
+            p3, picker, url3 = peers.start_extproc(cfg, ws, os.path.join(cell, "extproc"))
             check_routes(url3, [p3, picker], "envoy+extproc")
             targets["envoy+extproc"] = url3
             cpu_procs["envoy+extproc"] = [p3]

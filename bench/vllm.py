@@ -34,6 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 import kvstack  # noqa: E402
 import run  # noqa: E402  (bench/run.py: routers, relay, loadgen plumbing)
+from kvbench import peers  # noqa: E402
 
 DEFAULT_POLICIES = ["kvroute", "kvroute-precise", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
                     "vllm-router-cache-aware"]
@@ -86,7 +87,9 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
             p, url, admin = run.start_envoy(cfg, base, ws, cell, extra, relay_port)
             admins.append(admin)
         else:
-            p, url = run.start_peer(cfg, policy, ws, cell)
+            ps, url, _ = peers.start(cfg, policy, ws, cell)
+            procs += ps[:-1]
+            p = ps[-1]
         procs.append(p)
         run.check_routes(url, procs, policy, admins if base.startswith("kvroute") else ())
         if precise:

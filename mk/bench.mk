@@ -35,7 +35,7 @@ build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION):
 		--disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION) && touch $@
 
 # Dynamo's KV router (its selection service, in ai-dynamo-runtime); our glue in front of it
-# (dynamo-glue, built with mock-worker): the dynamo-* policies (bench/peers_dynamo.py).
+# (dynamo-glue, built with mock-worker): the dynamo-* policies (bench/kvbench/peers.py).
 build/dynamo-venv/.installed-$(DYNAMO_VERSION):
 	-python3 -m venv build/dynamo-venv && build/dynamo-venv/bin/pip install -q \
 		--disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION) && touch $@

@@ -93,7 +93,7 @@ COMMON = dict(
     # The oracle is the best, load by load (lowest p90 TTFT), of these (prefill_scale,
     # held_weight) settings: its envelope.
     oracle_settings=[[1.0, 0.005], [1.0, 0.02], [1.0, 0.08]],
-    # The dynamo-*-tuned policies' DYN_ROUTER_PREFILL_LOAD_SCALE (None: peers_dynamo.TUNED_SCALE).
+    # The dynamo-*-tuned policies' DYN_ROUTER_PREFILL_LOAD_SCALE (None: peers.TUNED_SCALE).
     dynamo_tuned_scale=None,
 )
 

@@ -1,4 +1,4 @@
-"""Issue 43's bench peers and the ext_proc floor (bench/peers_dynamo.py), on real mock workers:
+"""Issue 43's bench peers and the ext_proc floor (bench/kvbench/peers.py), on real mock workers:
 the ext_proc picker really decides where Envoy sends a request, Dynamo's selection service
 (through our glue) routes a repeated prompt to the worker its KV events show holding it and
 its booked load returns to zero, and vllm-router's kv_aware answers on the workers' events.
@@ -16,18 +16,20 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import run  # noqa: E402  (first: it puts scripts/ on the path)
-import envoyconf  # noqa: E402
-import peers_dynamo  # noqa: E402
+from kvbench import paths, peers  # noqa: E402
+from kvbench.config import PRESETS  # noqa: E402
+from kvbench.policies import POLICY  # noqa: E402
+from kvbench.procs import Procs, http  # noqa: E402
+from kvbench.stack import check_routes, start_fleet  # noqa: E402
 
-CFG = dict(run.PRESETS["quick"], block_size=16, kv_blocks=4096)
+CFG = dict(PRESETS["quick"], block_size=16, kv_blocks=4096)
 DOC = "the quarterly report says revenue grew in every region " * 120
 
 
 @pytest.fixture
 def cell(tmp_path):
     yield str(tmp_path)
-    run.Procs.stop_all()
+    Procs.stop_all()
 
 
 def worker_of(h):
@@ -35,47 +37,47 @@ def worker_of(h):
 
 
 def ask(url, prompt, stream=False):
-    body = {"model": run.MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
-    st, h, b = run.http("POST", url + "/v1/completions", body, timeout=30)
+    body = {"model": paths.MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
+    st, h, b = http("POST", url + "/v1/completions", body, timeout=30)
     assert st == 200, b[:300]
     return worker_of(h)
 
 
 def test_the_extproc_picker_names_the_worker_envoy_connects_to(cell):
-    if not os.path.exists(peers_dynamo.PICKER):
-        pytest.skip(f"{peers_dynamo.PICKER} not built (make extproc-picker)")
-    ws = run.start_fleet(CFG, cell, n=2, speedup=1e6)
-    envoy, picker, url = peers_dynamo.start_extproc(run, envoyconf, CFG, ws, os.path.join(cell, "ep"))
+    if not os.path.exists(peers.PICKER):
+        pytest.skip(f"{peers.PICKER} not built (make extproc-picker)")
+    ws = start_fleet(CFG, cell, n=2, speedup=1e6)
+    envoy, picker, url = peers.start_extproc(CFG, ws, os.path.join(cell, "ep"))
     got = [ask(url, f"question {i}") for i in range(6)]
     # Round-robin in the picker: the workers alternate, whatever Envoy would have chosen.
     assert got[0] in ("w0", "w1")
     assert all(a != b for a, b in zip(got, got[1:])), got
     # A body that is not a JSON object is refused by the picker (it reads the body), and Envoy
     # fails the request instead of sending it anywhere.
-    st, h, _ = run.http("POST", url + "/v1/completions", "not a request")
+    st, h, _ = http("POST", url + "/v1/completions", "not a request")
     assert st >= 500 and worker_of(h) is None
 
 
 @pytest.mark.parametrize("policy", ["dynamo-kv", "dynamo-approx"])
 def test_dynamo_routes_a_repeated_prompt_to_one_worker_and_frees_its_load(cell, policy):
-    if not os.path.exists(peers_dynamo.DYNAMO_PY):
-        pytest.skip(f"{peers_dynamo.DYNAMO_PY} missing (make bench-deps)")
-    ws = run.start_fleet(CFG, cell, n=3, speedup=100, kv_events=peers_dynamo.wants_events(policy))
-    procs, url, parts = peers_dynamo.start(run, CFG, policy, ws, cell)
+    if not os.path.exists(peers.DYNAMO_PY):
+        pytest.skip(f"{peers.DYNAMO_PY} missing (make bench-deps)")
+    ws = start_fleet(CFG, cell, n=3, speedup=100, kv_events=POLICY[policy].events)
+    procs, url, parts = peers.start(CFG, policy, ws, cell)
     assert set(parts) == {"router", "glue"}
-    run.check_routes(url, procs, policy)
+    check_routes(url, procs, policy)
     first = ask(url, DOC + " first")
     time.sleep(0.5)  # the KV events of the first answer reach Dynamo's index
     later = [ask(url, DOC + f" follow-up {i}", stream=i % 2 == 0) for i in range(4)]
     assert later == [first] * 4, (first, later)
     sel = json.load(open(os.path.join(cell, "dynamo.json")))["select_url"]
-    toks = json.loads(run.http("POST", ws[0]["url"] + "/tokenize", {"model": run.MODEL, "prompt": DOC})[2])["tokens"]
-    pick = json.loads(run.http("POST", sel + "/select", {"token_ids": toks})[2])
+    toks = json.loads(http("POST", ws[0]["url"] + "/tokenize", {"model": paths.MODEL, "prompt": DOC})[2])["tokens"]
+    pick = json.loads(http("POST", sel + "/select", {"token_ids": toks})[2])
     assert pick["overlap"]["longest_matched"] >= len(toks) - 16, pick
     # Every reservation was freed (prefill_complete, then DELETE, after each answer).
     deadline = time.time() + 5
     while True:
-        loads = json.loads(run.http("GET", sel + "/loads")[2])[0]["loads"]
+        loads = json.loads(http("GET", sel + "/loads")[2])[0]["loads"]
         if all(x["active_requests"] == 0 for x in loads) or time.time() > deadline:
             break
         time.sleep(0.1)
@@ -83,11 +85,11 @@ def test_dynamo_routes_a_repeated_prompt_to_one_worker_and_frees_its_load(cell, 
 
 
 def test_vllm_router_kv_aware_runs_on_the_workers_events(cell):
-    if not os.path.exists(peers_dynamo.VLLMR):
-        pytest.skip(f"{peers_dynamo.VLLMR} missing (make bench-deps)")
-    ws = run.start_fleet(CFG, cell, n=3, speedup=100, kv_events=True)
-    procs, url, _ = peers_dynamo.start(run, CFG, peers_dynamo.KV_AWARE, ws, cell)
-    run.check_routes(url, procs, peers_dynamo.KV_AWARE)
+    if not os.path.exists(paths.VLLMR):
+        pytest.skip(f"{paths.VLLMR} missing (make bench-deps)")
+    ws = start_fleet(CFG, cell, n=3, speedup=100, kv_events=True)
+    procs, url, _ = peers.start(CFG, peers.KV_AWARE, ws, cell)
+    check_routes(url, procs, peers.KV_AWARE)
     first = ask(url, DOC + " first")
     time.sleep(0.5)
     assert [ask(url, DOC + f" follow-up {i}") for i in range(4)] == [first] * 4

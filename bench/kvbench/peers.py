@@ -1,72 +1,82 @@
-"""The field's reference routers as bench peers, and the ext_proc floor (issue 43).
+"""The peer routers, each a black box in front of the same mock workers as kvroute, and the
+ext_proc floor (issue 43).
 
-- `dynamo-kv`, `dynamo-approx` (and `-tuned`): Dynamo's KV router, i.e. the selection service of
-  the `ai-dynamo-runtime` wheel (`python -m dynamo.select_service`, build/dynamo-venv), in front
-  of the same mock workers as every other policy. `-kv` subscribes to the workers' vLLM-format
-  ZMQ KV events; `-approx` is its approximate mode (DYN_ROUTER_USE_KV_EVENTS=false: it predicts
-  the caches from its own routing). Plain names run Dynamo's defaults; `-tuned` sets
-  DYN_ROUTER_PREFILL_LOAD_SCALE to TUNED_SCALE (Dynamo's own sweep recommends 16-32; the value
-  here was picked by a dev-split sweep, bench/README.md). Our glue (dynamo-glue, Rust, beside
-  the mock worker) carries the requests (tokenize, select_and_reserve, forward,
-  prefill_complete, free) and decides nothing.
+- `sglang-cache-aware`, `vllm-router-cache-aware`: `sglang-router launch --policy cache_aware`
+  and `vllm-router --policy cache_aware` (PyPI, build/sglang-venv and build/vllmr-venv).
 - `vllm-router-kv-aware`: vllm-router's `kv_aware` policy fed by the workers' KV events
   (`--kv-event-source URL=tcp://...`).
+- `dynamo-kv`, `dynamo-approx` (and `-tuned`): Dynamo's KV router, i.e. the selection service of
+  the `ai-dynamo-runtime` wheel (`python -m dynamo.select_service`, build/dynamo-venv). `-kv`
+  subscribes to the workers' vLLM-format ZMQ KV events; `-approx` is its approximate mode
+  (DYN_ROUTER_USE_KV_EVENTS=false: it predicts the caches from its own routing). Plain names run
+  Dynamo's defaults; `-tuned` sets DYN_ROUTER_PREFILL_LOAD_SCALE to TUNED_SCALE (Dynamo's own
+  sweep recommends 16-32; the value here was picked by a dev-split sweep, bench/README.md). Our
+  glue (dynamo-glue, Rust, beside the mock worker) carries the requests (tokenize,
+  select_and_reserve, forward, prefill_complete, free) and decides nothing.
 - The ext_proc floor (`make overhead`): Envoy with an ext_proc filter calling the least endpoint
   picker there can be (relay/examples/extproc_picker.rs), for the proxy-overhead table.
 
-bench/run.py calls these with itself as `h` (its Procs, http, wait_until, free_port, ENVOY).
+Which of them a policy starts, and whether its fleet publishes KV events, is its row in
+policies.POLICY.
 """
 
 import json
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.path.join(ROOT, "build")
-DYNAMO_PY = os.path.join(BUILD, "dynamo-venv", "bin", "python")
+import envoyconf
+
+from kvbench import paths
+from kvbench.policies import POLICY
+from kvbench.procs import Procs, free_port, http, wait_until
+from kvbench.stack import decode_workers
+
+DYNAMO_PY = os.path.join(paths.BUILD, "dynamo-venv", "bin", "python")
 # Our glue in front of it (examples/mock-worker/src/bin/dynamo-glue.rs, built with the mock).
-GLUE = os.path.join(ROOT, "target", "release", "dynamo-glue")
-VLLMR = os.path.join(BUILD, "vllmr-venv", "bin", "vllm-router")
-PICKER = os.environ.get("KVROUTE_EXTPROC_PICKER") or os.path.join(ROOT, "target", "relay", "examples",
+GLUE = os.path.join(paths.ROOT, "target", "release", "dynamo-glue")
+PICKER = os.environ.get("KVROUTE_EXTPROC_PICKER") or os.path.join(paths.ROOT, "target", "relay", "examples",
                                                                    "extproc_picker")
 
 # DYN_ROUTER_PREFILL_LOAD_SCALE of the -tuned policies (Dynamo's default is 1).
 TUNED_SCALE = 32.0
-# policy -> (KV events on, prefill_load_scale or None for Dynamo's default)
-DYNAMO = {"dynamo-kv": (True, None), "dynamo-kv-tuned": (True, TUNED_SCALE),
-          "dynamo-approx": (False, None), "dynamo-approx-tuned": (False, TUNED_SCALE)}
 KV_AWARE = "vllm-router-kv-aware"
-POLICIES = list(DYNAMO) + [KV_AWARE]
 
 
-def wants_events(policy):
-    """Whether the fleet publishes KV events for this policy."""
-    return DYNAMO.get(policy, (False, None))[0] or policy == KV_AWARE
-
-
-def start(h, cfg, policy, ws, logdir):
-    """Starts the router of one of POLICIES in front of the workers ws (their decode workers,
-    started with kv_events when wants_events); returns (processes, URL, CPU parts), the parts
-    naming which processes are the router proper and which our glue. cfg's
-    `dynamo_tuned_scale` (--set dynamo_tuned_scale=32) overrides TUNED_SCALE (the sweep)."""
-    workers = [w for w in ws if w.get("role") != "prefill"]
-    if policy == KV_AWARE:
-        p, url = start_kv_aware(h, cfg, workers, logdir)
-        return [p], url, {"router": [p]}
-    if policy not in DYNAMO:
-        raise ValueError(f"unknown policy {policy}")
-    events, scale = DYNAMO[policy]
+def start(cfg, policy, ws, logdir):
+    """Starts the peer router of `policy` in front of the decode workers of ws (started with
+    kv_events where its POLICY row has events); returns (processes, URL, CPU parts), the parts
+    naming which processes are the router proper and which our glue (none for the PyPI
+    routers' cache_aware). cfg's `dynamo_tuned_scale` (--set dynamo_tuned_scale=32) overrides
+    TUNED_SCALE (the sweep)."""
+    workers = decode_workers(ws)
+    pol = POLICY[policy]
+    if pol.router in ("sglang", "vllm-router"):
+        exe, sub, level = (paths.SGLANG, ["launch"], "warn") if pol.router == "sglang" else (paths.VLLMR, [], "warning")
+        more = []
+        if pol.events:
+            # vllm-router's kv_aware: each worker's KV event publisher (and replay socket) as
+            # its sources, its defaults otherwise.
+            more = ["--kv-event-block-size", str(cfg["block_size"]), "--kv-event-model", paths.MODEL]
+            for w in workers:
+                more += ["--kv-event-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_events']}",
+                         "--kv-event-replay-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_replay']}"]
+        p, url = start_router(exe, sub, workers, "kv_aware" if pol.events else "cache_aware", level, logdir, more)
+        return [p], url, {"router": [p]} if pol.events else {}
+    if pol.router != "dynamo":
+        raise ValueError(f"not a peer router: {policy}")
+    events = pol.events
+    scale = TUNED_SCALE if pol.tuned else None
     if scale is not None and cfg.get("dynamo_tuned_scale") is not None:
         scale = float(cfg["dynamo_tuned_scale"])
     if not os.path.exists(DYNAMO_PY):
         raise RuntimeError(f"{DYNAMO_PY} missing (make bench-deps: ai-dynamo-runtime install failed?)")
-    sport = h.free_port()
+    sport = free_port()
     env = {"DYN_LOG": "warn", "DYN_ROUTER_USE_KV_EVENTS": "true" if events else "false"}
     if scale is not None:
         env["DYN_ROUTER_PREFILL_LOAD_SCALE"] = f"{scale:g}"
-    sel = h.Procs.start([DYNAMO_PY, "-m", "dynamo.select_service", "--port", str(sport)],
-                        os.path.join(logdir, "select.log"), env=env)
+    sel = Procs.start([DYNAMO_PY, "-m", "dynamo.select_service", "--port", str(sport)],
+                      os.path.join(logdir, "select.log"), env=env)
     surl = f"http://127.0.0.1:{sport}"
-    h.wait_until(lambda: (h.http("GET", surl + "/health")[0] == 200, None), 60, "dynamo select_service", [sel])
+    wait_until(lambda: (http("GET", surl + "/health")[0] == 200, None), 60, "dynamo select_service", [sel])
     for i, w in enumerate(workers):
         # The worker as Dynamo's catalog records it: its URL, block size and capacity, and (events)
         # its KV event publisher and replay socket.
@@ -76,42 +86,38 @@ def start(h, cfg, policy, ws, logdir):
         if events:
             doc["kv_events_endpoint"] = f"tcp://127.0.0.1:{w['kv_events']}"
             doc["replay_endpoint"] = f"tcp://127.0.0.1:{w['kv_replay']}"
-        st, _, b = h.http("POST", surl + "/workers", doc)
+        st, _, b = http("POST", surl + "/workers", doc)
         if st not in (200, 201):
             raise RuntimeError(f"dynamo select_service: POST /workers {w['name']}: HTTP {st} {b[:300]!r}")
-    h.wait_until(lambda: (h.http("GET", surl + "/ready")[0] == 200, None), 30, "dynamo select_service /ready", [sel])
-    gport = h.free_port()
+    wait_until(lambda: (http("GET", surl + "/ready")[0] == 200, None), 30, "dynamo select_service /ready", [sel])
+    gport = free_port()
     if not os.path.exists(GLUE):
         raise RuntimeError(f"{GLUE} not built (cargo build --release -p mock-worker)")
-    glue = h.Procs.start([GLUE, "--port", str(gport), "--select", surl,
-                          "--workers", ",".join(w["url"] for w in workers)], os.path.join(logdir, "glue.log"))
+    glue = Procs.start([GLUE, "--port", str(gport), "--select", surl,
+                        "--workers", ",".join(w["url"] for w in workers)], os.path.join(logdir, "glue.log"))
     with open(os.path.join(logdir, "dynamo.json"), "w") as f:
         json.dump(dict(env=env, select_url=surl), f)
     return [sel, glue], f"http://127.0.0.1:{gport}", {"router": [sel], "glue": [glue]}
 
 
-def start_kv_aware(h, cfg, workers, logdir):
-    """vllm-router 0.1.17's kv_aware policy, each worker's KV event publisher (and replay
-    socket) as its sources, at its defaults otherwise."""
-    if not os.path.exists(VLLMR):
-        raise RuntimeError(f"{VLLMR} not installed (pip install failed?)")
-    port = h.free_port()
-    argv = [VLLMR, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[w["url"] for w in workers],
-            "--policy", "kv_aware", "--log-level", "warning",
+def start_router(exe, sub, workers, policy, log_level, logdir, more=()):
+    """sglang-router (sub: launch) or vllm-router with `policy` over the workers, their request
+    limits and queues out of the way of the load; returns the process and its URL."""
+    port = free_port()
+    argv = [exe, *sub, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[w["url"] for w in workers],
+            "--policy", policy, "--log-level", log_level,
             "--max-concurrent-requests", "100000", "--queue-size", "100000",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(h.free_port())]
-    argv += ["--kv-event-block-size", str(cfg["block_size"]), "--kv-event-model", h.MODEL]
-    for w in workers:
-        argv += ["--kv-event-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_events']}",
-                 "--kv-event-replay-source", f"{w['url']}=tcp://127.0.0.1:{w['kv_replay']}"]
-    return h.Procs.start(argv, os.path.join(logdir, "router.log")), f"http://127.0.0.1:{port}"
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *more]
+    if not os.path.exists(exe):
+        raise RuntimeError(f"{exe} not installed (pip install failed?)")
+    return Procs.start(argv, os.path.join(logdir, "router.log")), f"http://127.0.0.1:{port}"
 
 
-def glue_stats(h, url):
+def glue_stats(url):
     """The glue's own numbers so far (its /_glue/stats): requests routed, and the wall ms from a
     request's body read to the worker named (tokenize + selection) and of the tokenize call,
     p50/p90/p99."""
-    st, _, b = h.http("GET", url + "/_glue/stats")
+    st, _, b = http("GET", url + "/_glue/stats")
     return json.loads(b) if st == 200 else None
 
 
@@ -121,7 +127,7 @@ EXTPROC_CLUSTER = "extproc-picker"
 DEST_HEADER = "x-gateway-destination-endpoint"
 
 
-def extproc_bootstrap(envoyconf, site, ups, picker_port):
+def extproc_bootstrap(site, ups, picker_port):
     """An Envoy bootstrap with the ext_proc filter in front of the router: each request's headers,
     then its whole body (BUFFERED) go to the picker over gRPC, and the request goes where its
     x-gateway-destination-endpoint names (an ORIGINAL_DST cluster), as with the Gateway API
@@ -154,24 +160,24 @@ def extproc_bootstrap(envoyconf, site, ups, picker_port):
     return doc
 
 
-def start_extproc(h, envoyconf, cfg, ws, logdir):
+def start_extproc(cfg, ws, logdir):
     """The picker and its Envoy in front of the workers ws; returns (envoy, picker, URL)."""
     if not os.path.exists(PICKER):
         raise RuntimeError(f"{PICKER} not built (cargo build --profile relay -p kvroute-relay --example "
                            "extproc_picker)")
     os.makedirs(logdir, exist_ok=True)
-    pport = h.free_port()
-    picker = h.Procs.start([PICKER, "--listen", f"127.0.0.1:{pport}",
-                            "--endpoints", ",".join(f"127.0.0.1:{w['port']}" for w in ws)],
-                           os.path.join(logdir, "picker.log"))
-    port, admin = h.free_port(), h.free_port()
+    pport = free_port()
+    picker = Procs.start([PICKER, "--listen", f"127.0.0.1:{pport}",
+                          "--endpoints", ",".join(f"127.0.0.1:{w['port']}" for w in ws)],
+                         os.path.join(logdir, "picker.log"))
+    port, admin = free_port(), free_port()
     site = envoyconf.bench_site(port, admin, "")
     ups = [envoyconf.Upstream(w["name"], "127.0.0.1", w["port"]) for w in ws]
     path = os.path.join(logdir, "envoy.yaml")
     with open(path, "w") as f:
-        f.write(envoyconf.to_yaml(extproc_bootstrap(envoyconf, site, ups, pport)))
-    envoy = h.Procs.start([h.ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]),
-                           "--disable-hot-restart", "-l", "warning"], os.path.join(logdir, "envoy.log"))
-    h.wait_until(lambda: (h.http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30,
-                 "ext_proc envoy", [envoy, picker])
+        f.write(envoyconf.to_yaml(extproc_bootstrap(site, ups, pport)))
+    envoy = Procs.start([paths.ENVOY, "-c", path, "--concurrency", str(cfg["envoy_concurrency"]),
+                         "--disable-hot-restart", "-l", "warning"], os.path.join(logdir, "envoy.log"))
+    wait_until(lambda: (http("GET", f"http://127.0.0.1:{admin}/ready")[0] == 200, None), 30,
+               "ext_proc envoy", [envoy, picker])
     return envoy, picker, f"http://127.0.0.1:{port}"
