@@ -25,16 +25,21 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+from kvbench import log, paths, peers  # noqa: E402  (first: it puts scripts/ on the path)
+from kvbench.config import COMMON  # noqa: E402
+from kvbench.metrics import envoy_kvroute_stats, scrape  # noqa: E402
+from kvbench.policies import EVENT_POLICIES, PRECISE_POLICIES  # noqa: E402
+from kvbench.procs import Procs, http  # noqa: E402
+from kvbench.stack import check_routes, start_envoy, start_relay, wait_stream_live  # noqa: E402
+from kvbench.stats import fmt, stat  # noqa: E402
 import kvstack  # noqa: E402
-import run  # noqa: E402  (bench/run.py: routers, relay, loadgen plumbing)
-from kvbench import peers  # noqa: E402
 
 DEFAULT_POLICIES = ["kvroute", "kvroute-precise", "envoy-round-robin", "envoy-ring-hash", "sglang-cache-aware",
                     "vllm-router-cache-aware"]
@@ -58,9 +63,9 @@ VARIANTS = {
 def engine_counters(ws):
     """The fleet's vllm:prefix_cache_{hits,queries}_total and vllm:num_preemptions_total, and
     each engine's finished requests (`requests:<name>`, all finish reasons)."""
-    out = run.scrape(ws)
+    out = scrape(ws)
     for w in ws:
-        st, _, b = run.http("GET", w["url"] + "/metrics", timeout=5)
+        st, _, b = http("GET", w["url"] + "/metrics", timeout=5)
         out[f"requests:{w['name']}"] = sum(
             float(line.rsplit(" ", 1)[1]) for line in b.decode().splitlines()
             if line.startswith("vllm:request_success_total{")) if st == 200 else 0.0
@@ -71,40 +76,40 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
     """One run on the shared engines: cold caches, the router, loadgen; its summary."""
     cell = os.path.join(rawdir, policy, f"load{load:g}_r{rep}")
     os.makedirs(cell, exist_ok=True)
-    started = list(run.Procs.live)
+    started = list(Procs.live)
     t0 = time.time()
     try:
         base, change = VARIANTS.get(policy, (policy, {}))
-        precise = base in run.PRECISE_POLICIES
+        precise = base in PRECISE_POLICIES
         procs, admins, relay_port = [], [], None
         if precise:
-            rp, relay_port, _ = run.start_relay(cfg, ws, cell)
+            rp, relay_port, _ = start_relay(cfg, ws, cell)
             procs.append(rp)
         if base.startswith("kvroute") or base.startswith("envoy"):
-            extra = dict(run.PRECISE_POLICIES.get(base) or {}, models=[kvstack.VLLM_MODEL])
+            extra = dict(PRECISE_POLICIES.get(base) or {}, models=[kvstack.VLLM_MODEL])
             for k, v in change.items():
                 extra[k] = dict(extra.get(k) or {}, **v)
-            p, url, admin = run.start_envoy(cfg, base, ws, cell, extra, relay_port)
+            p, url, admin = start_envoy(cfg, base, ws, cell, extra, relay_port)
             admins.append(admin)
         else:
             ps, url, _ = peers.start(cfg, policy, ws, cell)
             procs += ps[:-1]
             p = ps[-1]
         procs.append(p)
-        run.check_routes(url, procs, policy, admins if base.startswith("kvroute") else ())
+        check_routes(url, procs, policy, admins if base.startswith("kvroute") else ())
         if precise:
-            run.wait_stream_live(admins[0], procs)
+            wait_stream_live(admins[0], procs)
         # Cold caches for every router (the ready check above cached a few tokens).
         for w in engines:
             kvstack.vllm_reset_prefix_cache(w)
         before = engine_counters(ws)
         sessions = max(4, round(load * window_s))
-        lg = [run.LOADGEN, "--target", url, "--workload", "synthetic", "--seed", str(cfg["seed"]),
+        lg = [paths.LOADGEN, "--target", url, "--workload", "synthetic", "--seed", str(cfg["seed"]),
               "--sessions", str(sessions), "--rate", f"{load:g}", "--speed", "1", *WORKLOAD,
               "--model", kvstack.VLLM_MODEL, "--fleet-size", str(len(ws)), "--label", policy, "--out", cell,
               "--timeout-s", "120", "--ceiling-block", "0"]
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
-            rc = run.subprocess.run(lg, stdout=f, stderr=run.subprocess.STDOUT).returncode
+            rc = subprocess.run(lg, stdout=f, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             raise RuntimeError(f"loadgen exited {rc} (see {cell}/loadgen.log)")
         after = engine_counters(ws)
@@ -120,21 +125,21 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
         s["engine_requests"] = per
         s["engine_max_over_mean"] = max(per.values()) / (sum(per.values()) / len(per)) if sum(per.values()) else None
         if precise:
-            st = run.envoy_kvroute_stats(admins[0])
-            s["precise"] = {k: run.stat(st, k) for k in (
+            st = envoy_kvroute_stats(admins[0])
+            s["precise"] = {k: stat(st, k) for k in (
                 "kvroute_precise_blocks_stored_total", "kvroute_precise_blocks_removed_total",
                 "kvroute_tokenize_ok_total", "kvroute_tokenize_failed_total", "kvroute_precise_stream_live")}
         s.update(policy=policy, load=load, repeat=rep, wall_s=time.time() - t0)
         with open(os.path.join(cell, "summary.json"), "w") as f:
             json.dump(s, f, indent=1)
         t = s["ttft_s"]
-        run.log(f"vllm {policy:24s} load {load:g} r{rep}: {s['ok']}/{s['requests']} ok, "
-                f"TTFT p50 {run.fmt(t['p50'])} p90 {run.fmt(t['p90'])} s, engine hit "
-                f"{run.fmt(s['engine_hit_rate'])}, preempt {s['preemptions']:.0f}, {s['wall_s']:.0f} s wall"
+        log(f"vllm {policy:24s} load {load:g} r{rep}: {s['ok']}/{s['requests']} ok, "
+                f"TTFT p50 {fmt(t['p50'])} p90 {fmt(t['p90'])} s, engine hit "
+                f"{fmt(s['engine_hit_rate'])}, preempt {s['preemptions']:.0f}, {s['wall_s']:.0f} s wall"
                 + (f" | precise {s['precise']}" if precise else ""))
         return s
     finally:
-        run.Procs.stop([p for p in run.Procs.live if p not in started])
+        Procs.stop([p for p in Procs.live if p not in started])
 
 
 def spread(vals, spec):
@@ -217,25 +222,25 @@ def main():
     loads = [float(x) for x in a.loads.split(",")]
     rawdir = os.path.join(out, "raw")
     os.makedirs(rawdir, exist_ok=True)
-    # run.py's helpers name the model in the ready check and the relay's --model.
-    run.MODEL = kvstack.VLLM_MODEL
+    # The suite's helpers name the model in the ready check and the relay's --model.
+    paths.MODEL = kvstack.VLLM_MODEL
     t_start = time.time()
     # The table states the machine's load: on 2 cores a neighbour's build moves TTFT more
     # than any router does.
     loadavg_start = os.getloadavg()[0]
     engines = kvstack.vllm_fleet(3, kv_blocks=a.kv_blocks,
-                                 kv_events=any(VARIANTS.get(p, (p,))[0] in run.EVENT_POLICIES for p in policies))
+                                 kv_events=any(VARIANTS.get(p, (p,))[0] in EVENT_POLICIES for p in policies))
     logdir = tempfile.mkdtemp(prefix="kvroute-bench-vllm-")
-    cfg = dict(run.COMMON, block_size=kvstack.VLLM_BLOCK, kv_blocks=a.kv_blocks, seed=a.seed,
+    cfg = dict(COMMON, block_size=kvstack.VLLM_BLOCK, kv_blocks=a.kv_blocks, seed=a.seed,
                worker_id_header=True, envoy_concurrency=1)
     res = {"name": a.name, "command": "bench/vllm.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "policies": {p: {"runs": {}} for p in policies},
            "not_run": {}}
     try:
-        run.log(f"starting {len(engines)} vLLM engines (logs in {logdir})")
+        log(f"starting {len(engines)} vLLM engines (logs in {logdir})")
         kvstack.start_vllm(engines, logdir)
         start_s = time.time() - t_start
-        run.log(f"engines healthy in {start_s:.0f} s")
+        log(f"engines healthy in {start_s:.0f} s")
         ws = [dict(name=w.name, port=w.port, url=f"http://127.0.0.1:{w.port}", role="both",
                    kv_events=w.kv_events, kv_replay=w.kv_replay) for w in engines]
         res["config"] = dict(engines=len(engines), kv_blocks=a.kv_blocks, seed=a.seed, loads=loads,
@@ -250,7 +255,7 @@ def main():
                         s = run_one(cfg, pol, load, rep, ws, engines, rawdir, a.window_s)
                         res["policies"][pol]["runs"].setdefault(f"{load:g}", []).append(s)
                     except Exception as e:
-                        run.log(f"{pol} load {load:g} r{rep} failed: {e}")
+                        log(f"{pol} load {load:g} r{rep} failed: {e}")
                         res["policies"][pol]["error"] = str(e)
                         res["not_run"][pol] = str(e)
     finally:
