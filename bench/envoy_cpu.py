@@ -22,20 +22,20 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def one_run(a, kvstack, run):
+def one_run(a, kvstack, loadgen, proc_cpu_s):
     workers = [kvstack.Worker(f"w{i}", kv_blocks=8192) for i in range(4)]
     kv = None if a.round_robin else {"debug_headers": False}
     st = kvstack.Stack(workers, kvroute=kv, speedup=50.0).start()
     try:
         with tempfile.TemporaryDirectory(prefix="envoy-cpu-") as out:
-            cmd = [run.LOADGEN, "--target", f"http://127.0.0.1:{st.listen}", "--workload", "synthetic",
+            cmd = [loadgen, "--target", f"http://127.0.0.1:{st.listen}", "--workload", "synthetic",
                    "--sessions", str(a.sessions), "--rate", str(a.rate), "--turns", "1-3",
                    "--think-ms", "100", "--system-prompts", "10", "--system-tokens", "2000",
                    "--user-tokens", "100", "--doc-fraction", "0", "--max-tokens", str(a.tokens),
                    "--stream-usage", a.usage, "--seed", "7", "--model", "mock-model", "--out", out]
-            c0, t0 = run.proc_cpu_s([st.envoy]), time.time()
+            c0, t0 = proc_cpu_s([st.envoy]), time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            c1 = run.proc_cpu_s([st.envoy])
+            c1 = proc_cpu_s([st.envoy])
             with open(os.path.join(out, "summary.json")) as f:
                 s = json.load(f)
     finally:
@@ -61,10 +61,11 @@ def main():
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import kvstack  # noqa: E402
-    import run  # noqa: E402  (the benchmark's loadgen path and CPU reading)
+    from kvbench.paths import LOADGEN  # noqa: E402
+    from kvbench.procs import proc_cpu_s  # noqa: E402
     label = "round-robin" if a.round_robin else os.path.relpath(a.wasm)
     for _ in range(a.runs):
-        r = one_run(a, kvstack, run)
+        r = one_run(a, kvstack, LOADGEN, proc_cpu_s)
         print(json.dumps(dict(build=label, tokens=a.tokens, usage=a.usage, rate=a.rate, **r)))
 
 

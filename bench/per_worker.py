@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import run  # noqa: E402  (trace_path: where the Mooncake traces live)
+from kvbench.paths import trace_path  # noqa: E402  (where the Mooncake traces live)
 
 # The mock's pass model (examples/mock-worker/src/engine.rs `pass_ms`, Dynamo's H100 fit):
 # ms = 4.21e-7 t^2 + 0.01518 t + 16.5 + 2 x 4.21e-7 x t x (tokens already in context).
@@ -121,7 +121,7 @@ def main():
     if a.placement:
         if not cfg.get("trace"):
             sys.exit(f"{scen} is not a trace replay: --placement needs the trace's blocks")
-        with open(run.trace_path(cfg)) as f:
+        with open(trace_path(cfg)) as f:
             trace = [json.loads(line) for line in f]
     found = False
     for pol in pols:

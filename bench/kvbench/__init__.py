@@ -1,4 +1,5 @@
-"""The benchmark suite behind bench/run.py, in layers; a module imports only from those above it.
+"""The benchmark suite behind bench/run.py, in layers: a module imports only from those above
+it, and the package itself only provides log() and puts scripts/ on the path.
 
     paths      binaries, environment overrides, the traces, the build record
     config     presets, one scenario's configuration, the fleet's shape (pure)
@@ -12,8 +13,8 @@
     overhead   the proxy-overhead step
     goodput    SLO checks, bracketing, the bisection over a run function, what to bisect
     targets    goodput per policy, the main table and the targets (pure)
-    report     results.md and the plots from results.json alone
-    scenario   one scenario: the sweep, then the bisection and its repeats
+    report     results.md and the plots from results.json alone (markdown, plots)
+    suite      each scenario (the sweep, the bisection, its repeats), the overhead step, the files
 
 bench/scenarios.py (the scenario table) sits beside the package; scripts/ holds envoyconf (the
 Envoy bootstraps) and kvstack (free_port, prom_samples), shared with the tests and `make demo`.

@@ -1,4 +1,4 @@
-"""kvroute-pool in the benchmark (bench/run.py, issue 43): its prefill pool is taken from the
+"""kvroute-pool in the benchmark (bench/kvbench, issue 43): its prefill pool is taken from the
 same workers every other policy routes over, and a pool that only kvroute has is never judged
 against peers that did not get it."""
 
@@ -10,9 +10,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import run  # noqa: E402
+from kvbench import config, targets  # noqa: E402
+from kvbench.report import markdown  # noqa: E402
 
-CFG = dict(run.COMMON, scenario="docqa", load_name="rate", speeds=[12.0, 24.0], goodput=False)
+CFG = dict(config.COMMON, scenario="docqa", load_name="rate", speeds=[12.0, 24.0], goodput=False)
 
 
 def runs(p50: float, hit: float) -> dict:
@@ -22,41 +23,41 @@ def runs(p50: float, hit: float) -> dict:
 
 
 def test_the_pool_comes_out_of_the_same_workers_and_only_for_kvroute_pool():
-    assert run.fleet_split(CFG, "kvroute-pool") == (6, 2)  # a quarter of 8
+    assert config.fleet_split(CFG, "kvroute-pool") == (6, 2)  # a quarter of 8
     for pol in ("kvroute", "sglang-cache-aware", "oracle", "dynamo-kv-tuned"):
-        assert run.fleet_split(CFG, pol) == (8, 0)
-    assert run.fleet_split(dict(CFG, workers=4), "kvroute-pool") == (3, 1)
-    assert run.fleet_split(dict(CFG, workers=4, pool_workers=2), "kvroute-pool") == (2, 2)
-    assert run.cell_cfg(CFG, "kvroute") is CFG
+        assert config.fleet_split(CFG, pol) == (8, 0)
+    assert config.fleet_split(dict(CFG, workers=4), "kvroute-pool") == (3, 1)
+    assert config.fleet_split(dict(CFG, workers=4, pool_workers=2), "kvroute-pool") == (2, 2)
+    assert config.cell_cfg(CFG, "kvroute") is CFG
 
 
 @pytest.mark.parametrize("bad", [dict(pool_workers=0), dict(pool_workers=8), dict(prefill_workers=2)])
 def test_bad_pool_settings_are_refused(bad):
     with pytest.raises(ValueError):
-        run.cell_cfg(dict(CFG, **bad), "kvroute-pool")
+        config.cell_cfg(dict(CFG, **bad), "kvroute-pool")
 
 
 def test_the_legacy_pool_leaves_kvroute_s_targets_unjudged():
     res = {"policies": {"kvroute": runs(0.5, 0.7), "sglang-cache-aware": runs(1.9, 0.6)}}
-    same = run.targets(CFG, res)
+    same = targets.targets(CFG, res)
     assert any(t["status"] == "met" for t in same)
-    legacy = run.unequal_fleets(dict(CFG, prefill_workers=2), same)
+    legacy = targets.unequal_fleets(dict(CFG, prefill_workers=2), same)
     assert legacy and all(t["status"].startswith("not comparable (kvroute had 2 prefill") for t in legacy)
-    assert run.unequal_fleets(CFG, same) == same
+    assert targets.unequal_fleets(CFG, same) == same
 
 
 def test_the_pool_row_is_its_own_row_beside_the_targets_of_kvroute_without_it():
     # The pool far ahead, kvroute level with the peer: kvroute's targets read kvroute's numbers.
     res = {"policies": {"kvroute": runs(2.17, 0.61), "kvroute-pool": runs(0.5, 0.55),
                         "sglang-cache-aware": runs(1.9, 0.61)}}
-    t = run.targets(CFG, res)
+    t = targets.targets(CFG, res)
     p50 = next(x for x in t if x["target"].startswith("TTFT p50"))
     assert p50["status"] == "missed" and "1.900 <= 2.170" in p50["reference"]
-    rows = run.pool_rows(CFG, res)
+    rows = targets.pool_rows(CFG, res)
     assert len(rows) == 2 and all(r["status"] == "pool" for r in rows)
     assert rows[0]["target"].startswith("kvroute-pool (6 decode + 2 pool of the same 8)")
     assert rows[0]["value"].startswith("0.500 / 1.000 s") and rows[0]["reference"].startswith("sglang-cache-aware: 1.900")
-    assert run.row_label(CFG, "kvroute-pool") == "kvroute-pool (6 + 2 pool)"
-    assert run.row_label(CFG, "kvroute") == "kvroute"
-    assert run.row_label(dict(CFG, prefill_workers=2), "sglang-cache-aware") == "sglang-cache-aware (6)"
-    assert "except kvroute-pool: 6 decode + 2" in run.pool_note(CFG, ["kvroute", "kvroute-pool"])
+    assert markdown.row_label(CFG, "kvroute-pool") == "kvroute-pool (6 + 2 pool)"
+    assert markdown.row_label(CFG, "kvroute") == "kvroute"
+    assert markdown.row_label(dict(CFG, prefill_workers=2), "sglang-cache-aware") == "sglang-cache-aware (6)"
+    assert "except kvroute-pool: 6 decode + 2" in markdown.pool_note(CFG, ["kvroute", "kvroute-pool"])
