@@ -11,6 +11,18 @@ from kvbench.stats import fmt
 
 # Issue 15: with 4 gateways, sharing on, kvroute's hit rate and goodput >= 0.95x one gateway's.
 REPLICA_TARGET = 0.95
+FLOOR = "both missed the SLO at the floor"
+
+
+def verdict(x, ref, factor, floor, ref_bound, x_bound):
+    """Goodput x against factor x goodput ref: met, missed, or undecided where a bound settles
+    nothing. A '>=' goodput is a lower bound (met the SLO up to the highest load run), a '<' one
+    an upper bound (missed it at the lowest); floor, ref_bound and x_bound say which."""
+    if ref["kind"] == "<":
+        return f"undecided ({floor})" if x["kind"] == "<" else "met"
+    if x["value"] >= ref["value"] * factor * 0.99999:
+        return "met" if ref["kind"] != ">=" else f"undecided ({ref_bound})"
+    return "missed" if x["kind"] != ">=" else f"undecided ({x_bound})"
 
 
 def analyze(cfg, res):
@@ -132,23 +144,18 @@ def targets(cfg, res):
             rows.append(dict(target=name, value="-", reference="no runs", status="not measured"))
             return
         ref, rp = max(refs, key=lambda t: t[0]["value"])
-        val, rv = k["value"], ref["value"] * factor
-        # A '>=' value is a lower bound (met the SLO up to the cap), a '<' one an upper bound.
         if quick:
             st = "not measured (quick)"
-        elif ref["kind"] == "<":
-            st = "undecided (both missed the SLO at the lowest load run)" if k["kind"] == "<" else "met"
-        elif val >= rv * 0.99999:
-            st = "met" if ref["kind"] != ">=" else "undecided (the reference met the SLO up to the cap)"
+        else:
+            st = verdict(k, ref, factor, "both missed the SLO at the lowest load run",
+                         "the reference met the SLO up to the cap", "kvroute met the SLO up to the cap")
             # A peer that met the SLO at every load it ran may go beyond kvroute: no verdict.
             above = [p for g, p in refs if g["kind"] == ">=" and g is not ref]
             if st == "met" and above:
                 st = f"undecided ({above[0]} met the SLO at every load it ran)"
-        else:
-            st = "missed" if k["kind"] != ">=" else "undecided (kvroute met the SLO up to the cap)"
         if not quick and "sweep" in (k["method"], ref["method"]):
             st += " (read off the sweep, not bisected)"
-        ratio = f" = {val / ref['value']:.2f}x" if ref["value"] else ""
+        ratio = f" = {k['value'] / ref['value']:.2f}x" if ref["value"] else ""
         rows.append(dict(target=name, value=gp_text(k) + ratio, reference=f"{rp}: {gp_text(ref)}", status=st))
 
     for slo in cfg["slos"]:
@@ -224,12 +231,8 @@ def precise_targets(cfg, res):
             st = "info"
         elif quick:
             st = "not measured (quick)"
-        elif k["kind"] == "<":
-            st = "undecided (both missed the SLO at the floor)" if x["kind"] == "<" else "met"
-        elif x["value"] >= k["value"] * factor * 0.99999:
-            st = "met" if k["kind"] != ">=" else "undecided (kvroute met the SLO up to the cap)"
         else:
-            st = "missed" if x["kind"] != ">=" else f"undecided ({pol} met the SLO up to the cap)"
+            st = verdict(x, k, factor, FLOOR, "kvroute met the SLO up to the cap", f"{pol} met the SLO up to the cap")
         if factor and not quick and "sweep" in (k["method"], x["method"]):
             st += " (read off the sweep, not bisected)"
         rows.append(dict(target=name, value=gp_text(x) + ratio, reference=f"kvroute: {gp_text(k)}", status=st))
@@ -281,14 +284,11 @@ def replica_targets(cfg, res):
             ratio = f" = {gn['value'] / g1['value']:.2f}x" if g1["value"] else ""
             if info:
                 st = "info"
-            elif g1["kind"] == "<":
-                st = "undecided (both missed the SLO at the floor)" if gn["kind"] == "<" else "met"
-            elif gn["value"] >= g1["value"] * REPLICA_TARGET * 0.99999:
-                st = "met" if g1["kind"] != ">=" else "undecided (1 gateway met the SLO up to the highest load)"
-                if g1["kind"] == ">=" and gn["kind"] == ">=" and gn["lo"] >= g1["lo"]:
-                    st = "met (both met the SLO at every load run: a lower bound)"
+            elif g1["kind"] == ">=" and gn["kind"] == ">=" and gn["lo"] >= g1["lo"]:
+                st = "met (both met the SLO at every load run: a lower bound)"
             else:
-                st = "missed" if gn["kind"] != ">=" else "undecided (met the SLO up to the highest load)"
+                st = verdict(gn, g1, REPLICA_TARGET, FLOOR, "1 gateway met the SLO up to the highest load",
+                             "met the SLO up to the highest load")
             if "sweep" in (g1["method"], gn["method"]):
                 st += " (read off the sweep" + (", quick preset" if quick else "") + ")"
             rows.append(dict(target=name, value=gp_text(gn) + ratio, reference=f"{base}: {gp_text(g1)}", status=st))
@@ -304,12 +304,7 @@ def replica_targets(cfg, res):
             if not x or not y:
                 continue
             ratio = f" = {x['value'] / y['value']:.2f}x" if y["value"] else ""
-            if y["kind"] == "<":
-                st = "undecided (both missed the SLO at the floor)" if x["kind"] == "<" else "met"
-            elif x["value"] >= 1.3 * y["value"] * 0.99999:
-                st = "met" if y["kind"] != ">=" else "undecided (kvroute-noshare met the SLO up to the cap)"
-            else:
-                st = "missed" if x["kind"] != ">=" else "undecided (met the SLO up to the cap)"
+            st = verdict(x, y, 1.3, FLOOR, "kvroute-noshare met the SLO up to the cap", "met the SLO up to the cap")
             if "sweep" in (x["method"], y["method"]):
                 st += " (read off the sweep)"
             rows.append(dict(target=f"{pol} goodput @ 2 s >= 1.3x kvroute-noshare@{n} (issue 14, {n} gateways)",
