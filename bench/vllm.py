@@ -32,12 +32,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from kvbench import log, paths, peers  # noqa: E402  (first: it puts scripts/ on the path)
+from kvbench import log, paths  # noqa: E402  (first: it puts scripts/ on the path)
 from kvbench.config import COMMON  # noqa: E402
 from kvbench.metrics import envoy_kvroute_stats, scrape  # noqa: E402
 from kvbench.policies import EVENT_POLICIES, PRECISE_POLICIES  # noqa: E402
 from kvbench.procs import Procs, http  # noqa: E402
-from kvbench.stack import check_routes, start_envoy, start_relay, wait_stream_live  # noqa: E402
+from kvbench.cell import start_router  # noqa: E402
+from kvbench.stack import check_routes, start_relay, wait_stream_live  # noqa: E402
 from kvbench.stats import fmt, stat  # noqa: E402
 import kvstack  # noqa: E402
 
@@ -85,17 +86,14 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
         if precise:
             rp, relay_port, _ = start_relay(cfg, ws, cell)
             procs.append(rp)
+        extra = None
         if base.startswith("kvroute") or base.startswith("envoy"):
             extra = dict(PRECISE_POLICIES.get(base) or {}, models=[kvstack.VLLM_MODEL])
             for k, v in change.items():
                 extra[k] = dict(extra.get(k) or {}, **v)
-            p, url, admin = start_envoy(cfg, base, ws, cell, extra, relay_port)
-            admins.append(admin)
-        else:
-            ps, url, _ = peers.start(cfg, policy, ws, cell)
-            procs += ps[:-1]
-            p = ps[-1]
-        procs.append(p)
+        ps, url, admin, _ = start_router(cfg, base, ws, cell, extra, relay_port)
+        procs += ps
+        admins += [admin] if admin else []
         check_routes(url, procs, policy, admins if base.startswith("kvroute") else ())
         if precise:
             wait_stream_live(admins[0], procs)

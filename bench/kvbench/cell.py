@@ -87,6 +87,21 @@ def sessions_at(cfg, load):
     return max(cfg["sessions"], math.ceil(load * cfg.get("window_s", 0) - 1e-9))
 
 
+# The routers that are an Envoy of ours (stack.start_envoy); the others are peers.start's.
+ENVOY_ROUTERS = ("kvroute", "envoy", "steer")
+
+
+def start_router(cfg, policy, ws, logdir, extra=None, relay_port=None):
+    """The router under test in front of ws: Envoy (kvroute with `extra` plugin settings and
+    kvroute-relay's gRPC port, a built-in lb_policy, the steer diagnostics) or a peer router.
+    Returns (processes, URL, Envoy admin URL or None, CPU parts as peers.start names them)."""
+    if POLICY[policy].router in ENVOY_ROUTERS:
+        p, url, admin = start_envoy(cfg, policy, ws, logdir, extra, relay_port)
+        return [p], url, admin, {}
+    ps, url, parts = peers.start(cfg, policy, ws, logdir)
+    return ps, url, None, parts
+
+
 def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
     """One run: fresh fleet, router, loadgen; returns loadgen's summary plus the workers'
     counters. rep > 0: a repeat of the same point (its own folder); oracle: the oracle's
@@ -133,9 +148,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
             for i in range(n_gw):
                 gdir = cell if n_gw == 1 else os.path.join(cell, f"gw{i}")
                 os.makedirs(gdir, exist_ok=True)
-                if pol.router in ("kvroute", "envoy", "steer"):
+                extra, relay_port = None, None
+                if pol.router in ENVOY_ROUTERS:
                     extra = cfg["tuned"] if pol.tuned else pol.plugin
-                    relay_port = None
                     if use_relay:
                         rp, relay_port, rm = start_relay(cfg, ws if events else [], gdir, nats)
                         procs.append(rp)
@@ -144,13 +159,9 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                         # The relay key (the precise one is its alias) with the sharing switch.
                         extra = {k: v for k, v in (extra or {}).items() if k != "precise"}
                         extra["relay"] = {"cluster": envoyconf.RELAY_CLUSTER, "share_decisions": share}
-                    p, url, admin = start_envoy(cfg, policy, ws, gdir, extra, relay_port)
-                    admins.append(admin)
-                else:
-                    ps, url, cpu_parts = peers.start(cfg, policy, ws, gdir)
-                    procs += ps[:-1]
-                    p = ps[-1]
-                procs.append(p)
+                ps, url, admin, cpu_parts = start_router(cfg, policy, ws, gdir, extra, relay_port)
+                procs += ps
+                admins += [admin] if admin else []
                 check_routes(url, procs, policy, admins[-1:] if pol.router == "kvroute" else ())
                 urls.append(url)
             url = urls[0]
