@@ -11,6 +11,14 @@ from kvbench.goodput import gp_text, p90
 from kvbench.policies import parse_label
 
 
+def save(fig, path):
+    """Writes one figure at the report's resolution and frees it."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(cfg, res, outdir, rawdir, prefix=""):
     import matplotlib
     matplotlib.use("Agg")
@@ -41,9 +49,7 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     ax.set_title(f"TTFT CDF, {cfg['scenario']} ({cfg['split']}), {cfg['load_name']} {main}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "ttft_cdf.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "ttft_cdf.png"))
 
     # Hit rate per policy.
     pols = [p for p in ok if main in ok[p]["runs"]]
@@ -55,9 +61,7 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     ax.set_xticks(range(len(pols)), pols, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("prompt-cache hit rate (cached / prompt tokens)")
     ax.set_title(f"Hit rate per policy, {cfg['scenario']}, {cfg['load_name']} {main}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "hit_rate.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "hit_rate.png"))
 
     # Requests per worker (heat map).
     names = [f"w{i}" for i in range(cfg["workers"])]
@@ -71,9 +75,7 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     ax.set_yticks(range(len(pols)), [f"{p} ({ok[p]['runs'][main]['max_over_mean_requests']:.2f})" for p in pols], fontsize=8)
     ax.set_title(f"Requests per worker, {cfg['scenario']}, {cfg['load_name']} {main} (max/mean in brackets)")
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "requests_per_worker.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "requests_per_worker.png"))
 
     # p90 TTFT against offered rate: every run of the sweep and the bisection.
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -92,9 +94,7 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     ax.set_title(f"TTFT p90 vs. request rate, {cfg['scenario']} (sweep and bisection runs)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "p90_ttft.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "p90_ttft.png"))
 
     # Goodput against the TTFT SLO, one line per policy; hollow markers: not bisected (read off
     # the sweep); ^: a lower bound (met up to the cap); v at 0: missed even at the floor.
@@ -120,9 +120,7 @@ def plot(cfg, res, outdir, rawdir, prefix=""):
     ax.set_title(f"Goodput vs. SLO, {cfg['scenario']} ({cfg['split']}); filled: bisected, hollow: from the sweep")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "goodput.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "goodput.png"))
 
 
 def cfg_slo(cfg):
@@ -175,9 +173,7 @@ def plot_replicas(cfg, res, outdir, prefix=""):
     axes[0].legend(fontsize=6)
     axes[2].legend(fontsize=7)
     fig.suptitle(f"{cfg['scenario']}: gateway replicas (circles: first load, squares: second; dashed: sharing off)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(outdir, prefix + "replicas.png"), dpi=110)
-    plt.close(fig)
+    save(fig, os.path.join(outdir, prefix + "replicas.png"))
 
 
 def plot_overhead(res, outdir):
@@ -202,9 +198,7 @@ def plot_overhead(res, outdir):
         ax.set_ylabel("request latency, wall ms (bar p50, tick p99)")
         ax.set_title("Proxy overhead, one instant worker")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(outdir, "overhead.png"), dpi=110)
-        plt.close(fig)
+        save(fig, os.path.join(outdir, "overhead.png"))
 
 
 def write_plots(res, outdir):
