@@ -1,12 +1,13 @@
-"""The benchmark's named scenarios (bench/README.md): one table, read by bench/run.py.
+"""The benchmark's named scenarios (bench/README.md): one table, read by bench/kvbench
+(config.scenario_config).
 
 Each scenario gives the loadgen workload and its flags, a dev and a held-out seed (Mooncake:
 trace slice), its offered loads and a one-line description. Loads are the trace speed factor
 for Mooncake replays (simulated rate = factor / speedup x the trace's) and new sessions per
-simulated second for synthetic ones (run.py multiplies by the fleet's speedup for loadgen's
+simulated second for synthetic ones (the suite multiplies by the fleet's speedup for loadgen's
 wall-clock --rate); the first two are Envoy round-robin near half of its saturation and near
 saturation (p90 TTFT about 2 simulated s), the third (full preset only) is beyond it. `set`
-overrides run.py's COMMON fleet settings. Tune policies on `dev`; report on `heldout`.
+overrides kvbench/config.py's COMMON fleet settings. Tune policies on `dev`; report on `heldout`.
 """
 
 # llama3-8b-h100 preset: 26,624 blocks of 16 tokens per worker (426k tokens, 3.4M for the 8-worker
@@ -40,7 +41,7 @@ NO_ROUND_ROBIN = ["kvroute", "envoy-ring-hash", "sglang-cache-aware", "vllm-rout
 # sweep run keeps its sessions; only the goodput search's probes above it grow.
 #
 # expected_s: wall seconds the scenario took in `make bench` on 3e4fb69 on this 2-core machine
-# (conversation with its usual close calls at 1 and 4 s): run.py splits the time budget
+# (conversation with its usual close calls at 1 and 4 s): the suite splits the time budget
 # (`budget_min`) between scenarios in proportion to these.
 SCENARIOS = {
     "conversation": dict(
