@@ -132,9 +132,9 @@ def run_one(cfg, policy, load, rep, ws, engines, rawdir, window_s):
             json.dump(s, f, indent=1)
         t = s["ttft_s"]
         log(f"vllm {policy:24s} load {load:g} r{rep}: {s['ok']}/{s['requests']} ok, "
-                f"TTFT p50 {fmt(t['p50'])} p90 {fmt(t['p90'])} s, engine hit "
-                f"{fmt(s['engine_hit_rate'])}, preempt {s['preemptions']:.0f}, {s['wall_s']:.0f} s wall"
-                + (f" | precise {s['precise']}" if precise else ""))
+            f"TTFT p50 {fmt(t['p50'])} p90 {fmt(t['p90'])} s, engine hit "
+            f"{fmt(s['engine_hit_rate'])}, preempt {s['preemptions']:.0f}, {s['wall_s']:.0f} s wall"
+            + (f" | precise {s['precise']}" if precise else ""))
         return s
     finally:
         Procs.stop([p for p in Procs.live if p not in started])

@@ -37,8 +37,8 @@ def start_bypass(cfg, ws, speed, cell):
     out = os.path.join(cell, "bypass")
     os.makedirs(out, exist_ok=True)
     lg = [paths.LOADGEN] + args + ["--max-output", str(cfg["max_output"]), "--sim-speedup", str(cfg["speedup"]),
-                             "--model", paths.MODEL, "--fleet-size", "1", "--warmup", "0", "--label", "bypass",
-                             "--out", out, "--timeout-s", "300", "--target", decode_workers(ws)[0]["url"]]
+                                   "--model", paths.MODEL, "--fleet-size", "1", "--warmup", "0", "--label", "bypass",
+                                   "--out", out, "--timeout-s", "300", "--target", decode_workers(ws)[0]["url"]]
     return subprocess.Popen(lg, stdout=open(os.path.join(out, "loadgen.log"), "wb"), stderr=subprocess.STDOUT)
 
 

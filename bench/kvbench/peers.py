@@ -34,7 +34,7 @@ DYNAMO_PY = os.path.join(paths.BUILD, "dynamo-venv", "bin", "python")
 # Our glue in front of it (examples/mock-worker/src/bin/dynamo-glue.rs, built with the mock).
 GLUE = os.path.join(paths.ROOT, "target", "release", "dynamo-glue")
 PICKER = os.environ.get("KVROUTE_EXTPROC_PICKER") or os.path.join(paths.ROOT, "target", "relay", "examples",
-                                                                   "extproc_picker")
+                                                                  "extproc_picker")
 
 # DYN_ROUTER_PREFILL_LOAD_SCALE of the -tuned policies (Dynamo's default is 1).
 TUNED_SCALE = 32.0
