@@ -5,7 +5,7 @@
 //! stack or certificates to rotate, and a mesh that already encrypts pod traffic (Istio's
 //! mTLS) keeps doing so underneath.
 
-use crate::hub::add;
+use crate::counter::add;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;

@@ -7,8 +7,10 @@
 //! and answers `["", seq, payload]` for every buffered batch with seq >= start, then
 //! `["", -1 (8 bytes, signed), ""]`.
 
+use crate::clock::now_ms;
+use crate::counter::add;
 use crate::decode::decode_batch;
-use crate::hub::{add, now_ms, Change, EngineSpec, EngineStats, Hub};
+use crate::hub::{Change, EngineSpec, EngineStats, Hub};
 use crate::index::{Counts, DeltaBuilder};
 use crate::zmtp::Dealer;
 use bytes::Bytes;

@@ -3,7 +3,9 @@
 //! deltas and the other gateways' decisions; the gateway's later messages carry its decisions.
 
 use crate::auth::Refusal;
-use crate::hub::{add, now_ns, Change, Hub, Refused, StreamSlot};
+use crate::clock::now_ns;
+use crate::counter::add;
+use crate::hub::{Change, Hub, Refused, StreamSlot};
 use crate::index::DeltaBuilder;
 use crate::share::PeerEvent;
 use kvroute::precise::wire::{Phase, Update, WatchRequest, WorkerDelta, METHOD, SERVICE};

@@ -1,12 +1,12 @@
 //! Shared state: every engine's index, its stats, and the broadcast of deltas to streams.
 
+use crate::clock::random_epoch;
 use crate::index::{Delta, EngineIndex};
 use crate::share::Share;
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::broadcast;
 
 /// One worker's delta, as broadcast to every stream.
@@ -188,26 +188,6 @@ pub struct Hub {
     pub streams: Arc<StreamGate>,
 }
 
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-pub fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
-pub fn random_epoch() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(now_ns());
-    h.write_u32(std::process::id());
-    h.finish() | 1
-}
-
 /// Engine definition (from the command line).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineSpec {
@@ -331,8 +311,4 @@ impl State {
     pub fn state_bytes(&self) -> usize {
         self.workers.iter().map(|w| w.index.blocks.bytes()).sum()
     }
-}
-
-pub fn add(c: &AtomicU64, v: u64) {
-    c.fetch_add(v, Relaxed);
 }

@@ -3,6 +3,8 @@
 
 pub mod auth;
 pub mod cli;
+pub mod clock;
+pub mod counter;
 pub mod decode;
 pub mod engine;
 pub mod grpc;

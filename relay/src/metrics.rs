@@ -1,6 +1,7 @@
 //! `/metrics` (Prometheus text) and `/health` (JSON) over a minimal HTTP/1 server.
 
-use crate::hub::{now_ms, Hub};
+use crate::clock::now_ms;
+use crate::hub::Hub;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
