@@ -12,6 +12,7 @@ pub mod hub;
 pub mod index;
 pub mod metrics;
 pub mod msgpack;
+pub mod nats;
 pub mod share;
 pub mod vllm;
 pub mod zmtp;

@@ -63,7 +63,7 @@ async fn run(cfg: Config) -> Result<(), String> {
             let password = read_secret(cfg.nats_password_file.as_deref(), "KVROUTE_NATS_PASSWORD")?
                 .ok_or_else(|| format!("--nats-user {user}: no password (--nats-password-file PATH or KVROUTE_NATS_PASSWORD)"))?;
             eprintln!("kvroute-relay: NATS user {user:?}, password from {from}");
-            Some(kvroute_relay::share::NatsCreds {
+            Some(kvroute_relay::nats::NatsCreds {
                 user: user.clone(),
                 password,
             })
@@ -86,7 +86,7 @@ async fn run(cfg: Config) -> Result<(), String> {
         );
     }
     if let Some(url) = cfg.nats.clone() {
-        let opts = kvroute_relay::share::NatsOpts {
+        let opts = kvroute_relay::nats::NatsOpts {
             url,
             prefix: cfg.nats_prefix.clone(),
             peer_timeout: Duration::from_millis(cfg.peer_timeout_ms),
@@ -94,7 +94,7 @@ async fn run(cfg: Config) -> Result<(), String> {
         if nats_creds.is_none() {
             eprintln!("kvroute-relay: warning: NATS without credentials (--nats-user): whoever reaches the server reads and forges the gateways' decisions");
         }
-        kvroute_relay::share::start_nats_as(hub.share.clone(), opts, nats_creds).await?;
+        kvroute_relay::nats::start_nats_as(hub.share.clone(), opts, nats_creds).await?;
     } else {
         eprintln!(
             "kvroute-relay: no --nats: decisions are shared only between this relay's streams"

@@ -12,7 +12,7 @@ use kvroute::precise::wire::{Phase, Update, WatchRequest};
 use kvroute_relay::clock::now_ns;
 use kvroute_relay::hub::{Change, Hub};
 use kvroute_relay::index::Delta;
-use kvroute_relay::share::{start_nats, NatsOpts};
+use kvroute_relay::nats::{start_nats, NatsOpts};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
