@@ -12,10 +12,9 @@ use crate::counter::add;
 use crate::decode::decode_batch;
 use crate::hub::{Change, EngineSpec, EngineStats, Hub};
 use crate::index::{Counts, DeltaBuilder};
+use crate::replay::{judge, payload_hash, replay, start_probe, ProbeFuture, Verdict};
 use crate::zmtp::Dealer;
 use bytes::Bytes;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::Arc;
@@ -178,63 +177,6 @@ fn split_frames(msg: zeromq::ZmqMessage) -> Option<(u64, Bytes)> {
     Some((u64::from_be_bytes(seq), payload))
 }
 
-fn payload_hash(payload: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(payload)
-}
-
-/// Asks an engine's replay socket for every batch from `from` on.
-pub async fn replay(
-    endpoint: &str,
-    from: u64,
-    timeout: Duration,
-) -> Result<Vec<(u64, Bytes)>, String> {
-    let work = async {
-        let mut d = Dealer::connect(endpoint).await?;
-        d.replay(from).await
-    };
-    match tokio::time::timeout(timeout, work).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err(format!("no end of replay within {timeout:?}")),
-    }
-}
-
-/// What a replay from the last applied batch says about the engine.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// The engine still buffers our last batch, unchanged: same process. `newest` is the
-    /// highest seq it answered.
-    Same { newest: Option<u64> },
-    /// Our last batch is gone or different. `restart`: the engine's sequence is below it or
-    /// differs at it (a new process); otherwise its buffer no longer reaches back to it.
-    Changed { restart: bool, why: String },
-}
-
-/// Judges a replay from `last.0` against the last applied batch `(seq, payload hash)`.
-pub fn judge(last: Option<(u64, u64)>, frames: &[(u64, Bytes)]) -> Verdict {
-    let newest = frames.iter().map(|f| f.0).max();
-    let Some((seq, hash)) = last else {
-        return Verdict::Same { newest };
-    };
-    match frames.iter().find(|f| f.0 == seq) {
-        Some((_, p)) if payload_hash(p) == hash => Verdict::Same { newest },
-        Some(_) => Verdict::Changed {
-            restart: true,
-            why: format!("its batch {seq} differs from the one applied"),
-        },
-        None if newest.is_none_or(|n| n < seq) => Verdict::Changed {
-            restart: true,
-            why: match newest {
-                Some(n) => format!("its sequence ends at {n}, before batch {seq}"),
-                None => format!("it buffers no batch, not even {seq}"),
-            },
-        },
-        None => Verdict::Changed {
-            restart: false,
-            why: format!("its replay buffer no longer holds batch {seq}"),
-        },
-    }
-}
-
 /// Whether something accepts TCP connections at a `tcp://host:port` endpoint.
 async fn reachable(endpoint: &str, timeout: Duration) -> bool {
     let addr = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
@@ -249,47 +191,6 @@ enum Exit {
     Lost,
     /// Re-subscribe (idle for long, a restart, or a subscription that stopped delivering).
     Refresh,
-}
-
-/// A probe's result, with the connection to reuse and the state it was judged against.
-struct ProbeDone {
-    conn: Option<Dealer>,
-    generation: u64,
-    last: Option<(u64, u64)>,
-    result: Result<Vec<(u64, Bytes)>, String>,
-}
-
-type ProbeFuture = Pin<Box<dyn Future<Output = ProbeDone> + Send>>;
-
-fn start_probe(
-    conn: Option<Dealer>,
-    endpoint: String,
-    generation: u64,
-    last: Option<(u64, u64)>,
-    timeout: Duration,
-) -> ProbeFuture {
-    Box::pin(async move {
-        let from = last.map_or(0, |l| l.0);
-        let work = async {
-            let mut d = match conn {
-                Some(d) => d,
-                None => Dealer::connect(&endpoint).await?,
-            };
-            let frames = d.replay(from).await?;
-            Ok::<_, std::io::Error>((d, frames))
-        };
-        let (conn, result) = match tokio::time::timeout(timeout, work).await {
-            Ok(Ok((d, frames))) => (Some(d), Ok(frames)),
-            Ok(Err(e)) => (None, Err(e.to_string())),
-            Err(_) => (None, Err(format!("no answer within {timeout:?}"))),
-        };
-        ProbeDone {
-            conn,
-            generation,
-            last,
-            result,
-        }
-    })
 }
 
 impl Engine {

@@ -13,6 +13,7 @@ pub mod index;
 pub mod metrics;
 pub mod msgpack;
 pub mod nats;
+pub mod replay;
 pub mod share;
 pub mod vllm;
 pub mod zmtp;
