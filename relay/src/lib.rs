@@ -2,6 +2,7 @@
 //! serves them, re-keyed to kvroute's block hashes, as one gRPC stream per Envoy.
 
 pub mod auth;
+pub mod blocks;
 pub mod cli;
 pub mod clock;
 pub mod counter;
