@@ -12,19 +12,13 @@
 //! Usage: extproc_picker --listen 127.0.0.1:PORT --endpoints HOST:PORT[,HOST:PORT...]
 //! `cargo build --release -p kvroute-relay --example extproc_picker`.
 
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
+use kvroute_relay::streaming::{self, BoxFuture, OpenResult, StreamMethod};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::body::BoxBody;
-use tonic::codec::ProstCodec;
 use tonic::{Request, Response, Status, Streaming};
 
-const PATH: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
 const HEADER: &str = "x-gateway-destination-endpoint";
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -160,14 +154,19 @@ impl Picker {
     }
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+impl StreamMethod for Picker {
+    const SERVICE: &'static str = "envoy.service.ext_proc.v3.ExternalProcessor";
+    const METHOD: &'static str = "Process";
+    // A buffered 128k-token prompt is ~1 MiB: above tonic's 4 MiB default only for much
+    // longer ones, allowed up to Envoy's own 32 MiB request buffer.
+    const MAX_DECODING: Option<usize> = Some(64 << 20);
+    type In = ProcessingRequest;
+    type Out = ProcessingResponse;
 
-impl tonic::server::StreamingService<ProcessingRequest> for Picker {
-    type Response = ProcessingResponse;
-    type ResponseStream = ReceiverStream<Result<ProcessingResponse, Status>>;
-    type Future = BoxFuture<Result<Response<Self::ResponseStream>, Status>>;
-
-    fn call(&mut self, request: Request<Streaming<ProcessingRequest>>) -> Self::Future {
+    fn open(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> BoxFuture<OpenResult<ProcessingResponse>> {
         let picker = self.clone();
         Box::pin(async move {
             let mut inbound = request.into_inner();
@@ -183,39 +182,6 @@ impl tonic::server::StreamingService<ProcessingRequest> for Picker {
                 }
             });
             Ok(Response::new(ReceiverStream::new(rx)))
-        })
-    }
-}
-
-impl tonic::server::NamedService for Picker {
-    const NAME: &'static str = "envoy.service.ext_proc.v3.ExternalProcessor";
-}
-
-impl<B> tower_service::Service<http::Request<B>> for Picker
-where
-    B: http_body::Body + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
-{
-    type Response = http::Response<BoxBody>;
-    type Error = Infallible;
-    type Future = BoxFuture<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let picker = self.clone();
-        Box::pin(async move {
-            if req.uri().path() != PATH {
-                let msg = format!("unknown method {}", req.uri().path());
-                return Ok(Status::unimplemented(msg).into_http());
-            }
-            let codec = ProstCodec::<ProcessingResponse, ProcessingRequest>::default();
-            // A buffered 128k-token prompt is ~1 MiB: above tonic's 4 MiB default only for
-            // much longer ones, allowed up to Envoy's own 32 MiB request buffer.
-            let mut grpc = tonic::server::Grpc::new(codec).max_decoding_message_size(64 << 20);
-            Ok(grpc.streaming(picker, req).await)
         })
     }
 }
@@ -257,14 +223,7 @@ fn main() {
         let listener = tokio::net::TcpListener::bind(&listen)
             .await
             .map_err(|e| format!("{listen}: {e}"))?;
-        let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
-            .map_err(|e| e.to_string())?;
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(picker)
-            .serve_with_incoming(incoming)
-            .await
-            .map_err(|e| e.to_string())
+        streaming::serve(picker, listener, None).await
     });
     if let Err(e) = res {
         eprintln!("extproc_picker: {e}");

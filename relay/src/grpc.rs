@@ -8,23 +8,18 @@ use crate::counter::add;
 use crate::hub::{Change, Hub, Refused, StreamSlot};
 use crate::index::DeltaBuilder;
 use crate::share::PeerEvent;
+use crate::streaming::{self, BoxFuture, OpenResult, StreamMethod};
 use kvroute::precise::wire::{Phase, Update, WatchRequest, WorkerDelta, METHOD, SERVICE};
-
-/// Peer events gathered into one Update at most.
-pub const PEER_CHUNK: usize = 1024;
 use std::collections::BTreeMap;
-use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::body::BoxBody;
-use tonic::codec::ProstCodec;
 use tonic::{Request, Response, Status, Streaming};
+
+/// Peer events gathered into one Update at most.
+pub const PEER_CHUNK: usize = 1024;
 
 /// Most hashes in one snapshot update.
 pub const SNAPSHOT_CHUNK: usize = 32768;
@@ -43,22 +38,27 @@ impl RelayService {
     }
 }
 
-impl tonic::server::NamedService for RelayService {
-    const NAME: &'static str = SERVICE;
-}
+impl StreamMethod for RelayService {
+    const SERVICE: &'static str = SERVICE;
+    const METHOD: &'static str = METHOD;
+    type In = WatchRequest;
+    type Out = Update;
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+    // Before anything else: a caller without the token learns nothing (not even which
+    // methods exist) and nothing it sends is read.
+    fn admit(&self, headers: &http::HeaderMap) -> Result<(), Box<Status>> {
+        let authorization = headers
+            .get(http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        self.hub.auth.check(authorization).map_err(|why| {
+            Box::new(Status::unauthenticated(match why {
+                Refusal::Missing => "no relay token: send `authorization: Bearer <token>` (the filter's relay.token_env)",
+                Refusal::Wrong => "wrong relay token",
+            }))
+        })
+    }
 
-struct Watch {
-    hub: Arc<Hub>,
-}
-
-impl tonic::server::StreamingService<WatchRequest> for Watch {
-    type Response = Update;
-    type ResponseStream = ReceiverStream<Result<Update, Status>>;
-    type Future = BoxFuture<Result<Response<Self::ResponseStream>, Status>>;
-
-    fn call(&mut self, request: Request<Streaming<WatchRequest>>) -> Self::Future {
+    fn open(&self, request: Request<Streaming<WatchRequest>>) -> BoxFuture<OpenResult<Update>> {
         let hub = self.hub.clone();
         // Stream limits (README, "Limits"): the place is held until the stream ends.
         let slot = open_slot(&hub, request.remote_addr().map(|a| a.ip()));
@@ -97,49 +97,6 @@ impl tonic::server::StreamingService<WatchRequest> for Watch {
                 drop(slot);
             });
             Ok(Response::new(ReceiverStream::new(rx)))
-        })
-    }
-}
-
-impl<B> tower_service::Service<http::Request<B>> for RelayService
-where
-    B: http_body::Body + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
-{
-    type Response = http::Response<BoxBody>;
-    type Error = Infallible;
-    type Future = BoxFuture<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let hub = self.hub.clone();
-        let want = format!("/{SERVICE}/{METHOD}");
-        // Before anything else: a caller without the token learns nothing (not even which
-        // methods exist) and nothing it sends is read.
-        let authorization = req
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .map(|v| v.as_bytes());
-        let refused = hub.auth.check(authorization).err();
-        Box::pin(async move {
-            if let Some(why) = refused {
-                let msg = match why {
-                    Refusal::Missing => "no relay token: send `authorization: Bearer <token>` (the filter's relay.token_env)",
-                    Refusal::Wrong => "wrong relay token",
-                };
-                return Ok(Status::unauthenticated(msg).into_http());
-            }
-            if req.uri().path() != want {
-                return Ok(
-                    Status::unimplemented(format!("unknown method {}", req.uri().path()))
-                        .into_http(),
-                );
-            }
-            let mut grpc = tonic::server::Grpc::new(ProstCodec::<Update, WatchRequest>::default());
-            Ok(grpc.streaming(Watch { hub }, req).await)
         })
     }
 }
@@ -414,15 +371,6 @@ async fn live(s: &mut Stream, peers: &mut mpsc::Receiver<PeerEvent>) {
 /// Serves the Relay service on `listener` (HTTP/2 prior knowledge, as Envoy's gRPC client
 /// speaks it).
 pub async fn serve(hub: Arc<Hub>, listener: tokio::net::TcpListener) -> Result<(), String> {
-    // TCP_NODELAY on every accepted connection (Server::tcp_nodelay applies only to the
-    // listeners tonic binds itself): small updates must not wait for delayed ACKs.
-    let incoming = tonic::transport::server::TcpIncoming::from_listener(listener, true, None)
-        .map_err(|e| e.to_string())?;
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(RelayService::new(hub))
-        .serve_with_incoming(incoming)
-        .await
-        .map_err(|e| e.to_string())
+    let keepalive = Some(Duration::from_secs(30));
+    streaming::serve(RelayService::new(hub), listener, keepalive).await
 }

@@ -16,5 +16,6 @@ pub mod msgpack;
 pub mod nats;
 pub mod replay;
 pub mod share;
+pub mod streaming;
 pub mod vllm;
 pub mod zmtp;

@@ -141,6 +141,21 @@ async fn grpc_without_the_token_gets_nothing_and_changes_nothing() {
         .await
         .unwrap_err();
     assert_eq!(s.code(), tonic::Code::Unauthenticated);
+    // With the token, it is unknown.
+    g.ready().await.unwrap();
+    let mut r = tonic::Request::new(WatchRequest::default());
+    r.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let s = g
+        .unary::<WatchRequest, Update, _>(
+            r,
+            http::uri::PathAndQuery::from_static("/kvroute.relay.v1.Relay/Other"),
+            ProstCodec::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), tonic::Code::Unimplemented, "{s:?}");
+    assert!(s.message().contains("unknown method"), "{s:?}");
 }
 
 const NATS_CONF: &str = r#"
