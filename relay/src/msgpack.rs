@@ -63,6 +63,16 @@ impl<'a> Reader<'a> {
         usize::try_from(u32::from_be_bytes(self.be()?)).ok()
     }
 
+    /// The length of a format that comes in 8-, 16- and 32-bit variants on consecutive
+    /// markers: `variant` 0, 1 or 2.
+    fn len_of(&mut self, variant: u8) -> Option<usize> {
+        match variant {
+            0 => Some(usize::from(self.u8()?)),
+            1 => self.len16(),
+            _ => self.len32(),
+        }
+    }
+
     /// A container header must not announce more items than bytes left (each item takes at
     /// least one byte), so a hostile length cannot make callers allocate huge buffers.
     fn container(&self, n: usize, per_item: usize) -> Option<usize> {
@@ -80,24 +90,12 @@ impl<'a> Reader<'a> {
             0xc0 => Value::Nil,
             0xc2 => Value::Bool(false),
             0xc3 => Value::Bool(true),
-            0xc4 => {
-                let n = usize::from(self.u8()?);
-                Value::Bin(self.take(n)?)
-            }
-            0xc5 => {
-                let n = self.len16()?;
-                Value::Bin(self.take(n)?)
-            }
-            0xc6 => {
-                let n = self.len32()?;
+            0xc4..=0xc6 => {
+                let n = self.len_of(b - 0xc4)?;
                 Value::Bin(self.take(n)?)
             }
             0xc7..=0xc9 => {
-                let n = match b {
-                    0xc7 => usize::from(self.u8()?),
-                    0xc8 => self.len16()?,
-                    _ => self.len32()?,
-                };
+                let n = self.len_of(b - 0xc7)?;
                 let t = i8::from_be_bytes(self.be()?);
                 Value::Ext(t, self.take(n)?)
             }
@@ -116,32 +114,17 @@ impl<'a> Reader<'a> {
                 let n = 1usize << (b - 0xd4);
                 Value::Ext(t, self.take(n)?)
             }
-            0xd9 => {
-                let n = usize::from(self.u8()?);
+            0xd9..=0xdb => {
+                let n = self.len_of(b - 0xd9)?;
                 Value::Str(self.take(n)?)
             }
-            0xda => {
-                let n = self.len16()?;
-                Value::Str(self.take(n)?)
-            }
-            0xdb => {
-                let n = self.len32()?;
-                Value::Str(self.take(n)?)
-            }
-            0xdc => {
-                let n = self.len16()?;
+            // Arrays and maps have no 8-bit variant: 0xdc and 0xde are the 16-bit ones.
+            0xdc | 0xdd => {
+                let n = self.len_of(b - 0xdb)?;
                 Value::Array(self.container(n, 1)?)
             }
-            0xdd => {
-                let n = self.len32()?;
-                Value::Array(self.container(n, 1)?)
-            }
-            0xde => {
-                let n = self.len16()?;
-                Value::Map(self.container(n, 2)?)
-            }
-            0xdf => {
-                let n = self.len32()?;
+            0xde | 0xdf => {
+                let n = self.len_of(b - 0xdd)?;
                 Value::Map(self.container(n, 2)?)
             }
             0xe0..=0xff => Value::Int(i128::from(b as i8)),
@@ -245,30 +228,15 @@ impl Writer {
         let n = s.len();
         if n < 32 {
             self.buf.push(0xa0 | n as u8);
-        } else if n <= 0xff {
-            self.buf.extend_from_slice(&[0xd9, n as u8]);
-        } else if n <= 0xffff {
-            self.buf.push(0xda);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
-            self.buf.push(0xdb);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+            self.len_of(n, 0xd9);
         }
         self.buf.extend_from_slice(s.as_bytes());
         self
     }
 
     pub fn bin(&mut self, b: &[u8]) -> &mut Self {
-        let n = b.len();
-        if n <= 0xff {
-            self.buf.extend_from_slice(&[0xc4, n as u8]);
-        } else if n <= 0xffff {
-            self.buf.push(0xc5);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xc6);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        self.len_of(b.len(), 0xc4);
         self.buf.extend_from_slice(b);
         self
     }
@@ -279,6 +247,20 @@ impl Writer {
 
     pub fn map(&mut self, n: usize) -> &mut Self {
         self.header(n, 0x80, 0xde, 0xdf)
+    }
+
+    /// `n` in the smallest of a format's 8-, 16- and 32-bit variants, whose markers are
+    /// `marker8` and the two after it.
+    fn len_of(&mut self, n: usize, marker8: u8) {
+        if n <= 0xff {
+            self.buf.extend_from_slice(&[marker8, n as u8]);
+        } else if n <= 0xffff {
+            self.buf.push(marker8 + 1);
+            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            self.buf.push(marker8 + 2);
+            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+        }
     }
 
     fn header(&mut self, n: usize, fix: u8, b16: u8, b32: u8) -> &mut Self {
