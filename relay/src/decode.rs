@@ -166,36 +166,49 @@ fn read_opt_hash(r: &mut Reader<'_>) -> R<Option<u64>> {
     hash_of(need(r.read(), "truncated hash")?)
 }
 
-fn read_hashes(r: &mut Reader<'_>) -> R<Vec<u64>> {
-    let n = match need(r.read(), "truncated hash list")? {
+/// A list (nil reads as empty) of items read by `item`; the messages name what is missing.
+fn read_list<'a, T>(
+    r: &mut Reader<'a>,
+    truncated: &'static str,
+    not_list: &'static str,
+    mut item: impl FnMut(&mut Reader<'a>) -> R<T>,
+) -> R<Vec<T>> {
+    let n = match need(r.read(), truncated)? {
         Value::Array(n) => n,
         Value::Nil => return Ok(Vec::new()),
-        _ => return Err(DecodeError("block_hashes is not a list")),
+        _ => return Err(DecodeError(not_list)),
     };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        out.push(need(
-            hash_of(need(r.read(), "truncated hash")?)?,
-            "null block hash",
-        )?);
+        out.push(item(r)?);
     }
     Ok(out)
 }
 
+fn read_hashes(r: &mut Reader<'_>) -> R<Vec<u64>> {
+    read_list(
+        r,
+        "truncated hash list",
+        "block_hashes is not a list",
+        |r| {
+            need(
+                hash_of(need(r.read(), "truncated hash")?)?,
+                "null block hash",
+            )
+        },
+    )
+}
+
 fn read_tokens(r: &mut Reader<'_>) -> R<Vec<u32>> {
-    let n = match need(r.read(), "truncated token list")? {
-        Value::Array(n) => n,
-        Value::Nil => return Ok(Vec::new()),
-        _ => return Err(DecodeError("token_ids is not a list")),
-    };
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        match need(r.read(), "truncated token id")? {
-            Value::Int(i) => out.push(u32::try_from(i).map_err(|_| DecodeError("bad token id"))?),
-            _ => return Err(DecodeError("token id is not an int")),
-        }
-    }
-    Ok(out)
+    read_list(
+        r,
+        "truncated token list",
+        "token_ids is not a list",
+        |r| match need(r.read(), "truncated token id")? {
+            Value::Int(i) => u32::try_from(i).map_err(|_| DecodeError("bad token id")),
+            _ => Err(DecodeError("token id is not an int")),
+        },
+    )
 }
 
 /// Fields of any event, filled by name (map form) or position (array form).

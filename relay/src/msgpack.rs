@@ -276,3 +276,63 @@ impl Writer {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each length is written in its smallest variant and read back whole.
+    #[test]
+    fn lengths_round_trip_across_variant_boundaries() {
+        // (n, str marker, bin marker, array marker; the map marker is the array's + 2)
+        for (n, s8, b8, a16) in [
+            (31, 0xbf, 0xc4, 0xdc),
+            (32, 0xd9, 0xc4, 0xdc),
+            (255, 0xd9, 0xc4, 0xdc),
+            (256, 0xda, 0xc5, 0xdc),
+            (65535, 0xda, 0xc5, 0xdc),
+            (65536, 0xdb, 0xc6, 0xdd),
+        ] {
+            let (s, b) = ("s".repeat(n), vec![1u8; n]);
+            let mut w = Writer::new();
+            w.str(&s);
+            let at_bin = w.buf.len();
+            w.bin(&b);
+            let at_array = w.buf.len();
+            w.array(n);
+            for _ in 0..n {
+                w.nil();
+            }
+            let at_map = w.buf.len();
+            w.map(n);
+            for _ in 0..2 * n {
+                w.nil();
+            }
+            let markers = [w.buf[0], w.buf[at_bin], w.buf[at_array], w.buf[at_map]];
+            assert_eq!(markers, [s8, b8, a16, a16 + 2], "n = {n}");
+            let mut r = Reader::new(&w.buf);
+            assert_eq!(r.read(), Some(Value::Str(s.as_bytes())), "n = {n}");
+            assert_eq!(r.read(), Some(Value::Bin(&b)), "n = {n}");
+            assert_eq!(r.read(), Some(Value::Array(n)), "n = {n}");
+            assert_eq!(r.skip_n(n), Some(()));
+            assert_eq!(r.read(), Some(Value::Map(n)), "n = {n}");
+            assert_eq!(r.skip_n(2 * n), Some(()));
+            assert_eq!(r.remaining(), 0);
+        }
+    }
+
+    #[test]
+    fn ext_lengths_of_each_width() {
+        for buf in [
+            &[0xc7, 2, 5, 7, 8][..],
+            &[0xc8, 0, 2, 5, 7, 8],
+            &[0xc9, 0, 0, 0, 2, 5, 7, 8],
+        ] {
+            let mut r = Reader::new(buf);
+            assert_eq!(r.read(), Some(Value::Ext(5, &[7, 8])), "{buf:02x?}");
+            assert_eq!(r.remaining(), 0);
+        }
+        // A length past the end is garbage, not a panic.
+        assert_eq!(Reader::new(&[0xc8, 0xff, 0xff, 5]).read(), None);
+    }
+}
