@@ -5,9 +5,8 @@
 //! stack or certificates to rotate, and a mesh that already encrypts pod traffic (Istio's
 //! mTLS) keeps doing so underneath.
 
-use crate::counter::add;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use crate::counter::{add, render_labeled};
+use std::sync::atomic::AtomicU64;
 use std::sync::OnceLock;
 
 /// Env var holding the token when `--token-file` is not given.
@@ -69,14 +68,13 @@ impl Auth {
     }
 
     pub fn render(&self, o: &mut String) {
-        let name = "kvroute_relay_unauthenticated_total";
-        let _ = writeln!(
+        render_labeled(
             o,
-            "# HELP {name} gRPC calls refused with UNAUTHENTICATED (reason: missing or wrong token)\n# TYPE {name} counter"
+            "kvroute_relay_unauthenticated_total",
+            "gRPC calls refused with UNAUTHENTICATED (reason: missing or wrong token)",
+            "reason",
+            &[("missing", &self.missing), ("wrong", &self.wrong)],
         );
-        for (reason, v) in [("missing", &self.missing), ("wrong", &self.wrong)] {
-            let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
-        }
     }
 }
 

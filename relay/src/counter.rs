@@ -7,6 +7,24 @@ pub fn add(c: &AtomicU64, v: u64) {
     c.fetch_add(v, Relaxed);
 }
 
+/// A counter with one label, in Prometheus text: a series per `(label value, counter)`.
+pub fn render_labeled(
+    o: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    series: &[(&str, &AtomicU64)],
+) {
+    let _ = writeln!(
+        o,
+        "# HELP {name} {help}
+# TYPE {name} counter"
+    );
+    for (value, c) in series {
+        let _ = writeln!(o, "{name}{{{label}=\"{value}\"}} {}", c.load(Relaxed));
+    }
+}
+
 /// Upper bounds (ms) of the propagation delay histogram.
 pub const DELAY_BUCKETS_MS: [f64; 13] = [
     0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,

@@ -12,6 +12,9 @@ pub fn render_metrics(hub: &Hub) -> String {
     let st = hub.lock();
     let mut o = String::new();
     let now = now_ms();
+    // Here and below, tables with one row per metric: `duplicates` reports their rows as
+    // alike, which they are by design (each says what its metric is; the logic is in the
+    // loops after them).
     let per_engine: &[(&str, &str, &str)] = &[
         (
             "kvroute_relay_engine_connected",

@@ -6,7 +6,7 @@
 //! dropped and counted. The connection to NATS itself is in `nats`.
 
 use crate::clock::now_ns;
-use crate::counter::{add, Histogram};
+use crate::counter::{add, render_labeled, Histogram};
 use kvroute::precise::wire::PeerDecisions;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -410,7 +410,9 @@ impl Share {
         self.out.get().is_some()
     }
 
-    /// Prometheus text of the sharing metrics.
+    /// Prometheus text of the sharing metrics. One table row or call per metric: `duplicates`
+    /// reports them as alike, which they are by design (each says what its metric is; the
+    /// logic is in the loops and `render_labeled`).
     pub fn render(&self, o: &mut String) {
         let s = &self.stats;
         let counters: [(&str, &str, u64); 6] = [
@@ -448,44 +450,41 @@ impl Share {
         for (name, help, v) in counters {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         }
-        let name = "kvroute_relay_decisions_dropped_total";
-        let _ = writeln!(
+        render_labeled(
             o,
-            "# HELP {name} Decisions dropped (reason: stream_queue full, nats_queue full, nats_down) and gone events dropped (gone_event)\n# TYPE {name} counter"
+            "kvroute_relay_decisions_dropped_total",
+            "Decisions dropped (reason: stream_queue full, nats_queue full, nats_down) and gone events dropped (gone_event)",
+            "reason",
+            &[
+                ("stream_queue", &s.dropped_stream),
+                ("nats_queue", &s.dropped_queue),
+                ("nats_down", &s.dropped_nats),
+                ("gone_event", &s.dropped_gone),
+            ],
         );
-        for (reason, v) in [
-            ("stream_queue", &s.dropped_stream),
-            ("nats_queue", &s.dropped_queue),
-            ("nats_down", &s.dropped_nats),
-            ("gone_event", &s.dropped_gone),
-        ] {
-            let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
-        }
-        let name = "kvroute_relay_peer_claims_refused_total";
-        let _ = writeln!(
+        render_labeled(
             o,
-            "# HELP {name} Claims of other relays refused (reason: gone from a relay that does not speak for the gateway, gone for a gateway connected here, gone contradicted by a heartbeat, more than {MAX_PEERS} peers)\n# TYPE {name} counter"
+            "kvroute_relay_peer_claims_refused_total",
+            &format!("Claims of other relays refused (reason: gone from a relay that does not speak for the gateway, gone for a gateway connected here, gone contradicted by a heartbeat, more than {MAX_PEERS} peers)"),
+            "reason",
+            &[
+                ("gone_other_relay", &s.refused_gone_other_relay),
+                ("gone_local_gateway", &s.refused_gone_local),
+                ("gone_still_alive", &s.refused_gone_alive),
+                ("peers_full", &s.refused_peers_full),
+            ],
         );
-        for (reason, v) in [
-            ("gone_other_relay", &s.refused_gone_other_relay),
-            ("gone_local_gateway", &s.refused_gone_local),
-            ("gone_still_alive", &s.refused_gone_alive),
-            ("peers_full", &s.refused_peers_full),
-        ] {
-            let _ = writeln!(o, "{name}{{reason=\"{reason}\"}} {}", v.load(Relaxed));
-        }
-        let name = "kvroute_relay_gone_announcements_total";
-        let _ = writeln!(
+        render_labeled(
             o,
-            "# HELP {name} Gateways announced gone to local streams (cause: local stream closed, remote relay said so, peer timeout)\n# TYPE {name} counter"
+            "kvroute_relay_gone_announcements_total",
+            "Gateways announced gone to local streams (cause: local stream closed, remote relay said so, peer timeout)",
+            "cause",
+            &[
+                ("local", &s.gone_local),
+                ("remote", &s.gone_remote),
+                ("timeout", &s.gone_timeout),
+            ],
         );
-        for (cause, v) in [
-            ("local", &s.gone_local),
-            ("remote", &s.gone_remote),
-            ("timeout", &s.gone_timeout),
-        ] {
-            let _ = writeln!(o, "{name}{{cause=\"{cause}\"}} {}", v.load(Relaxed));
-        }
         let gauges = [
             (
                 "kvroute_relay_nats_connected",
