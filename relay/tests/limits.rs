@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{grpc, hand_fed, next, start_relay, watch, watch_path};
-use kvroute::precise::wire::{Phase, Update, WatchRequest};
+use common::{hand_fed, next, start_relay, watch, watch_as_gateway};
+use kvroute::precise::wire::{Phase, Update};
 use kvroute_relay::decode::decode_batch;
 use kvroute_relay::hub::{Change, Hub, Limits};
 use kvroute_relay::index::{Counts, DeltaBuilder, EngineIndex};
@@ -14,7 +14,6 @@ use prost::Message as _;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
-use tonic::codec::ProstCodec;
 
 const BS: u32 = 4;
 
@@ -223,24 +222,6 @@ async fn snapshots_are_cut_to_max_snapshot_blocks() {
     );
 }
 
-/// Opens a Watch stream as `gateway`.
-async fn open(url: &str, gateway: &str) -> Result<common::Stream, tonic::Status> {
-    let req = WatchRequest {
-        gateway: gateway.into(),
-        block_size: 16,
-        ..WatchRequest::default()
-    };
-    grpc(url)
-        .await
-        .server_streaming(
-            tonic::Request::new(req),
-            watch_path(),
-            ProstCodec::default(),
-        )
-        .await
-        .map(tonic::Response::into_inner)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_are_capped_per_client_and_in_total() {
     let limits = Limits {
@@ -249,12 +230,12 @@ async fn streams_are_capped_per_client_and_in_total() {
     };
     let hub = Hub::with_limits(16, 16, limits);
     let url = start_relay(hub.clone()).await;
-    let mut s1 = open(&url, "g1").await.unwrap();
-    let _s2 = open(&url, "g2").await.unwrap();
+    let mut s1 = watch_as_gateway(&url, "g1", 16).await.unwrap();
+    let _s2 = watch_as_gateway(&url, "g2", 16).await.unwrap();
     next(&mut s1).await;
     let local = Some("127.0.0.1".parse().unwrap());
     assert_eq!(hub.streams.open_from(local), 2);
-    let err = open(&url, "g3")
+    let err = watch_as_gateway(&url, "g3", 16)
         .await
         .expect_err("a third stream from one client");
     assert_eq!(err.code(), tonic::Code::ResourceExhausted);
@@ -272,7 +253,7 @@ async fn streams_are_capped_per_client_and_in_total() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut s3 = open(&url, "g3").await.unwrap();
+    let mut s3 = watch_as_gateway(&url, "g3", 16).await.unwrap();
     next(&mut s3).await;
     let m = kvroute_relay::metrics::render_metrics(&hub);
     assert!(
@@ -287,9 +268,11 @@ async fn streams_are_capped_per_client_and_in_total() {
     };
     let hub = Hub::with_limits(16, 16, limits);
     let url = start_relay(hub.clone()).await;
-    let _a = open(&url, "a").await.unwrap();
-    let _b = open(&url, "b").await.unwrap();
-    let err = open(&url, "c").await.expect_err("over --max-streams");
+    let _a = watch_as_gateway(&url, "a", 16).await.unwrap();
+    let _b = watch_as_gateway(&url, "b", 16).await.unwrap();
+    let err = watch_as_gateway(&url, "c", 16)
+        .await
+        .expect_err("over --max-streams");
     assert_eq!(err.code(), tonic::Code::ResourceExhausted);
     assert!(
         err.message().contains("--max-streams)"),

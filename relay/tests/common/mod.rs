@@ -203,8 +203,17 @@ pub fn watch_path() -> http::uri::PathAndQuery {
 
 /// Watches as gateway "test" with one request (server streaming, like older filters).
 pub async fn watch(url: &str, block_size: u32) -> Result<Stream, tonic::Status> {
+    watch_as_gateway(url, "test", block_size).await
+}
+
+/// Watches as `gateway` with one request (server streaming).
+pub async fn watch_as_gateway(
+    url: &str,
+    gateway: &str,
+    block_size: u32,
+) -> Result<Stream, tonic::Status> {
     let req = WatchRequest {
-        gateway: "test".into(),
+        gateway: gateway.into(),
         block_size,
         ..WatchRequest::default()
     };
