@@ -315,35 +315,18 @@ mod tests {
         let mut o = Outcome::default();
         let t0 = Instant::now();
         let mut last = None;
-        handle_event(
-            b"data: {\"choices\":[{\"text\":\" a\"}]}",
-            t0,
-            t0,
-            &mut last,
-            &mut o,
-            false,
-        );
-        handle_event(
-            b": x-mock-engine-timing ttft=0.1;e2e=0.3",
-            t0,
-            t0,
-            &mut last,
-            &mut o,
-            false,
-        );
-        handle_event(
+        let mut feed = |ev: &[u8], o: &mut Outcome| handle_event(ev, t0, t0, &mut last, o, false);
+        feed(b"data: {\"choices\":[{\"text\":\" a\"}]}", &mut o);
+        feed(b": x-mock-engine-timing ttft=0.1;e2e=0.3", &mut o);
+        feed(
             b": x-mock-engine-timing ttft=0.1;e2e=0.3;arrived=100.25;first_sent=100.5",
-            t0,
-            t0,
-            &mut last,
             &mut o,
-            false,
         );
         assert_eq!(
             (o.engine_arrived, o.engine_first_sent),
             (Some(100.25), Some(100.5))
         );
-        handle_event(b": keep-alive", t0, t0, &mut last, &mut o, false);
+        feed(b": keep-alive", &mut o);
         assert_eq!(o.out_tokens, 1);
         assert!(o.error.is_none(), "comments are not data");
         assert_eq!((o.engine_ttft, o.engine_e2e), (Some(0.1), Some(0.3)));

@@ -104,6 +104,9 @@ pub fn render(m: &Metrics, load: Load, info: &Info) -> String {
         "engine=\"0\",model_name=\"{}\"",
         info.model.replace('\\', "\\\\").replace('"', "\\\"")
     );
+    // Here and below, tables with one row per metric: `duplicates` reports their rows as
+    // alike, which they are by design (each says what its metric is; the logic is in the
+    // loops after them).
     let gauges = [
         (
             "vllm:num_requests_running",
