@@ -108,6 +108,7 @@ pub async fn send(
     }
 }
 
+// `send` without its timeout: the same parameters, so `duplicates` pairs the two lists.
 async fn send_inner(
     c: &HttpClient,
     url: &str,
