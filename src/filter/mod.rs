@@ -11,6 +11,7 @@ mod http;
 mod metrics;
 mod page;
 mod relay;
+mod relay_stream;
 mod root;
 mod state;
 #[cfg(test)]

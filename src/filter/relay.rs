@@ -8,7 +8,6 @@ use crate::events::{self, Event};
 use crate::ids::WorkerId;
 use crate::precise::peers;
 use crate::precise::wire::{Update, WatchRequest, METHOD, SERVICE};
-use crate::precise::Feed;
 use prost::Message;
 use proxy_wasm::types::{BufferType, LogLevel};
 
@@ -20,65 +19,6 @@ const SNAPSHOT_DEADLINE_MS: u64 = 30_000;
 /// Decisions waiting for the stream beyond this are dropped (counted): the relay is slow or
 /// the stream is down, and other gateways will see this one's load again from later ones.
 const SHARE_BUFFER_BYTES: usize = 4 << 20;
-
-#[derive(Default)]
-pub struct RelayStream {
-    token: Option<u32>,
-    opened_ms: u64,
-    feed: Feed,
-    retry_at_ms: u64,
-    backoff_ms: u64,
-    lease_key: String,
-    /// Shared-data key of this Envoy process's gateway name (one per process, whichever VM
-    /// holds the stream), and the name once read.
-    gateway_key: String,
-    gateway: String,
-    /// The replication namespace: gateways share decisions only within it.
-    group: String,
-    /// This process's decisions (replication messages) not sent to the relay yet.
-    out: Vec<Vec<u8>>,
-    out_bytes: usize,
-    /// The stream was opened to share decisions (not half-closed after the request).
-    sharing: bool,
-    /// The last failure was logged; the next one is not until the stream was live again.
-    quiet: bool,
-    /// The open stream carries a token (`relay.token_env`), for the refusal's log line.
-    sent_token: bool,
-    /// The relay's refusal (UNAUTHENTICATED) was logged: it is logged even when the failure
-    /// before it was (relay down).
-    unauthenticated_logged: bool,
-    /// Other gateways' charges here, against the caps on what one peer may charge.
-    peers: peers::Peers,
-    /// A refused peer event was logged (once per VM: the counters say the rest).
-    refusal_logged: bool,
-    /// When the last update arrived (Unix ms, 0: none yet), and the shared-data key where
-    /// the holder publishes its state for the other VMs' status pages.
-    pub(super) last_update_ms: u64,
-    pub(super) state_key: String,
-}
-
-impl RelayStream {
-    pub fn new(ns: &str) -> RelayStream {
-        RelayStream {
-            feed: Feed::new(),
-            lease_key: format!("{ns}/relay-stream"),
-            gateway_key: format!("{ns}/gateway-name"),
-            group: ns.to_string(),
-            state_key: format!("{ns}/relay-state"),
-            ..RelayStream::default()
-        }
-    }
-
-    /// This VM holds a stream that takes this process's decisions.
-    pub fn sharing_now(&self) -> bool {
-        self.token.is_some() && self.sharing
-    }
-
-    /// This VM holds the stream (for the root context's gRPC callbacks).
-    pub fn holds(&self, token: u32) -> bool {
-        self.token == Some(token)
-    }
-}
 
 impl State {
     /// Opens the stream when this VM should hold it and it is not open; renews the lease.

@@ -3,7 +3,7 @@
 
 use super::host::Calls;
 use super::metrics::Metrics;
-use super::relay::RelayStream;
+use super::relay_stream::RelayStream;
 use crate::config::{Config, Role};
 use crate::events::{self, Event};
 use crate::feedback::OrcaLoad;
