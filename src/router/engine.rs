@@ -1,0 +1,276 @@
+//! Precise mode: workers whose engines stream their own KV events (through kvroute-relay).
+//! Their picks stay speculative until the engine reports the blocks, and text prompts reach
+//! the engines' token blocks through what tokenize answers taught (`twins`).
+
+use super::Router;
+use crate::events::Event;
+use crate::hashing::{token_prompt_hashes, HashParams};
+use crate::ids::{RequestId, WorkerId};
+use crate::index::Pending;
+use crate::request::{parse, ApiKind, Prompt};
+use crate::twins::Twins;
+
+impl Router {
+    /// Whether the engine's own KV events describe this worker's cache (precise mode).
+    pub fn engine_fed(&self, w: WorkerId) -> bool {
+        self.engine_fed
+            .get(usize::from(w))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.
+    pub(super) fn fed(&self, p: &Pending) -> bool {
+        self.engine_fed(p.worker) && p.prefill.is_none_or(|w| self.engine_fed(w))
+    }
+
+    /// Drops a confirmed pick once the index (the engine's reports) holds its whole prompt
+    /// on every worker it went to; true when dropped.
+    pub(super) fn engine_reported(&mut self, id: RequestId, now_ms: u64) -> bool {
+        let Some(p) = self.speculative.get(id) else {
+            return true;
+        };
+        // Chained hashes name a whole prefix and engines evict a chain from its end, so the
+        // pick's last block stands for all of it: this runs for every pick on a worker at each
+        // of its engine's event batches, and walking every block there (plus its text's map)
+        // cost each Envoy thread a lookup per block per batch (issue 42).
+        let Some(&last) = p.hashes.last() else {
+            return true;
+        };
+        let mut held = [0u32; crate::ids::MAX_WORKERS];
+        self.index.lookup(&[last], now_ms, &mut held);
+        // A pick routed on text: the engine reports its last block under the token block the
+        // text was learned to end in.
+        let tr = self.twins.translate_one(last);
+        if let Some(tok) = tr {
+            let mut eng = [0u32; crate::ids::MAX_WORKERS];
+            self.index.lookup(&[tok], now_ms, &mut eng);
+            for (h, e) in held.iter_mut().zip(eng) {
+                *h = (*h).max(e);
+            }
+        }
+        let done = core::iter::once(p.worker)
+            .chain(p.prefill)
+            .all(|w| held.get(usize::from(w)).is_some_and(|&n| n >= 1));
+        if done {
+            self.speculative.take(id);
+        }
+        done
+    }
+
+    /// A confirmed pick the engine has not reported within `relay.speculative_ms` leaves
+    /// the speculative entries. A pick on text that no tokenize answer mapped to engine blocks
+    /// yet (see `twins`) cannot be checked against the engine: it goes into the index as a
+    /// prediction, as in predicted mode, instead of vanishing (its document would look cold
+    /// to the next request, which cost precise mode hit rate when tokenize answers were late).
+    pub(super) fn unreported(&mut self, id: RequestId, now_ms: u64) {
+        let Some(p) = self.speculative.take(id) else {
+            return;
+        };
+        if !self.twins.translate(&p.hashes).is_empty() {
+            return;
+        }
+        let mut held = [0u32; crate::ids::MAX_WORKERS];
+        self.index.lookup(&p.hashes, now_ms, &mut held);
+        let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
+        for w in core::iter::once(p.worker).chain(p.prefill) {
+            if held.get(usize::from(w)).is_some_and(|&n| n < full) {
+                self.index.insert(w, &p.hashes, now_ms);
+            }
+        }
+    }
+
+    /// After engine events for `worker`: confirmed picks on it that the engine has now
+    /// reported leave; after a reset (`cleared`) all of them do, whatever they expected.
+    pub(super) fn settle_confirmed(&mut self, worker: WorkerId, now_ms: u64, cleared: bool) {
+        if self.confirmed.is_empty() {
+            return;
+        }
+        let queue = core::mem::take(&mut self.confirmed);
+        for (until, id) in queue {
+            let on_worker = self
+                .speculative
+                .get(id)
+                .is_some_and(|p| p.worker == worker || p.prefill == Some(worker));
+            let gone = if !on_worker {
+                self.speculative.get(id).is_none()
+            } else if cleared {
+                self.speculative.take(id);
+                true
+            } else {
+                self.engine_reported(id, now_ms)
+            };
+            if !gone {
+                self.confirmed.push_back((until, id));
+            }
+        }
+    }
+
+    /// Raises `out[w]` to the leading text blocks of `text` whose learned engine block worker
+    /// `w`'s engine reports holding (precise mode for text prompts, see `twins`).
+    pub(super) fn engine_held_text(&self, text: &[u64], now_ms: u64, out: &mut [u32]) {
+        if !self.engine_fed.iter().any(|&f| f) {
+            return;
+        }
+        let tr = self.twins.translate(text);
+        if tr.is_empty() {
+            return;
+        }
+        let mut eng = vec![0u32; out.len()];
+        self.index.lookup(&tr, now_ms, &mut eng);
+        for (o, e) in out.iter_mut().zip(eng) {
+            *o = (*o).max(e);
+        }
+    }
+
+    /// Whether a tokenize answer for this text prompt would teach `twins` anything (and a
+    /// worker is engine-fed, the only case where it is used).
+    pub fn wants_tokens(&self, text: &[u64]) -> bool {
+        !text.is_empty() && self.engine_fed.iter().any(|&f| f) && self.twins.wants(text)
+    }
+
+    /// What a tokenize answer teaches: the request's text block hashes (`text`, as routed)
+    /// paired with the engine blocks they end in. `None` when the body no longer parses,
+    /// the prompt was token ids, or nothing pairs.
+    pub fn learn_tokens(
+        &mut self,
+        kind: ApiKind,
+        body: &[u8],
+        text: &[u64],
+        tokens: &[u32],
+        now_ms: u64,
+    ) -> Option<Event> {
+        let req = parse(kind, body).ok()?;
+        if matches!(req.prompt, Prompt::Tokens(_)) {
+            return None;
+        }
+        let params = HashParams::from_config(&self.cfg);
+        let ph = token_prompt_hashes(&req, tokens, &params, self.cfg.limits.max_blocks as usize);
+        let (t, k) = Twins::pairs(text, &ph.blocks);
+        if t.is_empty() {
+            return None;
+        }
+        let e = Event::TextTokens { text: t, tokens: k };
+        self.apply(&e, now_ms);
+        Some(e)
+    }
+
+    /// Text block mappings held (`kvroute_precise_text_blocks`).
+    pub fn twins_len(&self) -> usize {
+        self.twins.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn engine_fed_workers_trust_engine_events_over_their_own_picks() {
+        let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
+        for w in 0..4 {
+            r.apply(
+                &Event::EngineFeed {
+                    worker: w,
+                    on: true,
+                },
+                0,
+            );
+        }
+        assert!(r.engine_fed(2) && !r.engine_fed(4));
+        let text = doc(6, 8000);
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 5));
+        let w = usize::from(d.decode);
+        let n = d.hashes().len() as u32;
+        r.on_first_byte(&d, true, 10);
+        r.on_finish(&d, 20);
+        let mut held = vec![0u32; 6];
+        // Confirmed on an engine-fed worker: still counted while the engine's event is due.
+        r.held_blocks(d.hashes(), 30, &mut held);
+        assert_eq!(held[w], n);
+        // The engine never reported it and no tokenize answer mapped its text to engine
+        // blocks: after `relay.speculative_ms` it stays as a prediction (predicted mode's).
+        r.tick(10 + 2_000);
+        r.held_blocks(d.hashes(), 2_010, &mut held);
+        assert_eq!(held[w], n, "an unmapped text pick is kept as a prediction");
+        assert_eq!(r.speculative_requests(), 0);
+        r.apply(&Event::EngineCleared { worker: d.decode }, 2_020);
+        r.held_blocks(d.hashes(), 2_020, &mut held);
+        assert_eq!(held[w], 0, "a reset drops it");
+        // What the engine reports is held, and a reset (restart) drops it at once.
+        let other = (d.decode + 1) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: other,
+                hashes: d.hashes().to_vec(),
+            },
+            2_100,
+        );
+        r.held_blocks(d.hashes(), 2_100, &mut held);
+        assert_eq!(held[usize::from(other)], n);
+        let again = routed(r.route(ApiKind::Completions, &completion(&text), 2_200));
+        assert_eq!(again.decode, other);
+        r.on_first_byte(&again, true, 2_210);
+        r.on_finish(&again, 2_220);
+        r.apply(&Event::EngineCleared { worker: other }, 2_300);
+        r.tick(2_210 + 2_000);
+        r.held_blocks(d.hashes(), 4_300, &mut held);
+        assert_eq!(held[usize::from(other)], 0);
+        // Without the feed, a confirmed pick goes into the index as before.
+        r.apply(
+            &Event::EngineFeed {
+                worker: other,
+                on: false,
+            },
+            4_400,
+        );
+        let third = routed(r.route(ApiKind::Completions, &completion(&text), 4_500));
+        r.on_first_byte(&third, true, 4_510);
+        r.on_finish(&third, 4_520);
+        r.tick(9_000);
+        r.held_blocks(d.hashes(), 9_000, &mut held);
+        let kept = usize::from(third.decode);
+        assert_eq!(held[kept], n);
+
+        // Once the text maps to engine blocks the engine's word decides, on every worker: a
+        // mapped pick it never reported is not held, and what it reports is held for text.
+        for w in 0..4 {
+            r.apply(&Event::EngineCleared { worker: w }, 9_100);
+            r.apply(
+                &Event::EngineFeed {
+                    worker: w,
+                    on: true,
+                },
+                9_100,
+            );
+        }
+        let toks: Vec<u64> = (0..u64::from(n)).map(|i| 0xabc0_0000 + i).collect();
+        let (t, k) = Twins::pairs(d.hashes(), &toks);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 9_100);
+        let fourth = routed(r.route(ApiKind::Completions, &completion(&text), 9_200));
+        assert_eq!(fourth.overlap_tokens, 0);
+        r.on_first_byte(&fourth, true, 9_210);
+        r.on_finish(&fourth, 9_220);
+        r.tick(9_210 + 2_000);
+        r.held_blocks(d.hashes(), 11_300, &mut held);
+        assert_eq!(
+            held[usize::from(fourth.decode)],
+            0,
+            "a mapped pick the engine never reported"
+        );
+        let holder = (fourth.decode + 2) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: holder,
+                hashes: toks.clone(),
+            },
+            11_400,
+        );
+        let fifth = routed(r.route(ApiKind::Completions, &completion(&text), 11_500));
+        assert_eq!(fifth.decode, holder);
+        assert!(fifth.overlap_tokens > 0);
+    }
+}
