@@ -27,6 +27,7 @@ pub mod status;
 pub mod steer;
 pub mod tokenize;
 pub mod twins;
+pub mod urlpath;
 
 #[cfg(feature = "filter")]
 mod filter;

@@ -6,6 +6,7 @@ use crate::config::{Config, DisaggMode, SteeringMode};
 use crate::request::ApiKind;
 use crate::router::{Decision, Router};
 use crate::select;
+use crate::urlpath::canonical_path;
 use std::borrow::Cow;
 use std::fmt::Write;
 
@@ -117,50 +118,6 @@ impl Intercept {
             rewrite,
         })
     }
-}
-
-/// A path as an HTTP engine resolves it: `%XX` decoded, empty and `.` segments dropped,
-/// `..` applied, no trailing slash. `None` if the decoded path is not UTF-8.
-pub fn canonical_path(raw: &str) -> Option<String> {
-    let decoded = String::from_utf8(percent_decode(raw.as_bytes())).ok()?;
-    let mut segs: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                segs.pop();
-            }
-            s => segs.push(s),
-        }
-    }
-    Some(format!("/{}", segs.join("/")))
-}
-
-fn percent_decode(s: &[u8]) -> Vec<u8> {
-    let hex = |b: u8| {
-        char::from(b)
-            .to_digit(16)
-            .and_then(|d| u8::try_from(d).ok())
-    };
-    let mut out = Vec::with_capacity(s.len());
-    let mut i = 0;
-    while let Some(&b) = s.get(i) {
-        let pair = match (s.get(i + 1), s.get(i + 2)) {
-            (Some(&h), Some(&l)) if b == b'%' => hex(h).zip(hex(l)),
-            _ => None,
-        };
-        match pair {
-            Some((h, l)) => {
-                out.push(h << 4 | l);
-                i += 3;
-            }
-            None => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    out
 }
 
 /// Request headers that carry the decision: the steering header (a cluster name, or the
@@ -502,8 +459,6 @@ mod tests {
         assert_eq!(m("/v1/completions%"), None);
         assert_eq!(m("/v1/completions%ff"), None);
         assert_eq!(m("/v1/completions\u{fffd}"), None);
-        assert_eq!(canonical_path("/"), Some("/".into()));
-        assert_eq!(canonical_path("/../.."), Some("/".into()));
     }
 
     #[test]

@@ -242,11 +242,11 @@ impl Config {
                     "must be a path starting with '/' (no query)",
                 ));
             }
-            let canon = crate::steer::canonical_path(sp);
+            let canon = crate::urlpath::canonical_path(sp);
             if let Some(r) = self
                 .routes
                 .iter()
-                .find(|r| crate::steer::canonical_path(r) == canon)
+                .find(|r| crate::urlpath::canonical_path(r) == canon)
             {
                 return Err(err(
                     "status.path",
