@@ -13,6 +13,7 @@
 
 mod canon;
 
+use canon::Sink;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::Config;
@@ -232,11 +233,6 @@ fn token_blocks(tokens: &[u32], per_block: usize, seed: u64, max_blocks: usize) 
         chain.link(xxh3_64_with_seed(&bytes, seed));
     }
     chain.into_blocks()
-}
-
-/// Where the canonical stream goes: the block chain, or (in tests) a plain buffer.
-trait Sink {
-    fn put(&mut self, bytes: &[u8]);
 }
 
 /// Cuts a byte stream arriving in arbitrary pieces into blocks and chains their hashes.

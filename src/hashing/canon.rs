@@ -29,7 +29,6 @@
 use serde::ser::{Serialize, Serializer};
 use serde_json::Value;
 
-use super::Sink;
 use crate::request::{Content, Message, Part};
 
 const TOOLS: u8 = 0x1D;
@@ -42,6 +41,11 @@ const OTHER_PART: u8 = 0x05;
 const TOOL_CALLS: u8 = 0x06;
 /// Ends a text; no UTF-8 string contains this byte.
 const END_TEXT: u8 = 0xFF;
+
+/// Where the canonical stream goes: the block chain, or (in tests) a plain buffer.
+pub(super) trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
 
 pub(super) fn write_chat<S: Sink>(out: &mut S, messages: &[Message<'_>], tools: &[Value]) {
     // Tools and tool calls are small; serialising them into one reused buffer first turns
