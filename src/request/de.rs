@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use super::{ApiKind, Content, Message, ParseError, Part, Prompt};
+use super::types::{ApiKind, Content, Message, ParseError, Part, Prompt};
 
 const PROMPT_EXPECTED: &str =
     "a string, an array of strings, an array of token ids (0..=4294967295) or an array of token-id arrays";
