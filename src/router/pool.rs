@@ -193,3 +193,126 @@ mod tests {
         ));
     }
 }
+
+/// The router's use of adapters, end to end through `Router::route`.
+#[cfg(test)]
+mod lora {
+    use crate::config::Config;
+    use crate::lora::{adapter_id, LoraReport};
+    use crate::request::ApiKind;
+    use crate::router::{Decision, RouteResult, Router};
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn router(max_loras: u32, load_ms: u64) -> Router {
+        let json = format!(
+            r#"{{"workers":[{{"name":"w0"}},{{"name":"w1"}},{{"name":"w2"}},{{"name":"w3"}}],
+                "models":["base","a1","a2","a3"],
+                "lora":{{"adapters":["a1","a2","a3"],"max_loras":{max_loras},"load_ms":{load_ms}}}}}"#
+        );
+        Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 7)
+    }
+
+    fn route(r: &mut Router, model: &str, prompt: &str, now_ms: u64) -> Decision {
+        let body = serde_json::to_vec(
+            &serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 8}),
+        )
+        .unwrap();
+        match r.route(ApiKind::Completions, &body, now_ms) {
+            RouteResult::Routed(d) => d,
+            other => panic!("not routed: {other:?}"),
+        }
+    }
+
+    fn text(i: u64) -> String {
+        format!("question {i}: ").repeat(20)
+    }
+
+    #[test]
+    fn an_adapter_request_goes_where_the_adapter_is_held() {
+        let mut r = router(1, 50);
+        let first = route(&mut r, "a1", &text(0), 0);
+        r.on_finish(&first, 5);
+        // Other prompts for the adapter, one at a time: all to its worker.
+        for i in 1..20 {
+            let d = route(&mut r, "a1", &text(i), 10 * i);
+            assert_eq!(d.decode, first.decode, "request {i}");
+            r.on_finish(&d, 10 * i + 5);
+        }
+        assert_eq!(r.adapters().holders(adapter_id("a1")), 1);
+    }
+
+    /// A burst of `n` different prompts of `chars` each for adapter `a`, none finishing:
+    /// requests per worker.
+    fn burst(r: &mut Router, a: &str, n: u64, chars: usize) -> [u32; 4] {
+        let mut per = [0u32; 4];
+        for i in 0..n {
+            let t = text(i);
+            let d = route(r, a, &t.repeat(chars / t.len() + 1)[..chars], 0);
+            per[usize::from(d.decode)] += 1;
+        }
+        per
+    }
+
+    #[test]
+    fn a_burst_for_a_new_adapter_loads_it_on_few_workers_yet_spreads_under_load() {
+        // Short prompts: the adapter's worker takes requests until its queue outweighs a
+        // load elsewhere (200 ms: a rank-64 adapter), then one more worker loads it.
+        let mut r = router(1, 200);
+        // Each queued request is worth its fixed overhead and tokens, ~1/6 of such a load.
+        let per = burst(&mut r, "a2", 10, 200);
+        assert_eq!(r.adapters().holders(adapter_id("a2")), 2, "{per:?}");
+        assert_eq!(per.iter().filter(|&&n| n > 0).count(), 2, "{per:?}");
+        assert!(per.iter().all(|&n| n == 0 || n >= 4), "{per:?}");
+        // Long prompts: the queue of one is worth more than a load; the burst spreads.
+        let mut r = router(1, 200);
+        let per = burst(&mut r, "a2", 16, 12_000);
+        assert_eq!(r.adapters().holders(adapter_id("a2")), 4, "{per:?}");
+        assert!(per.iter().all(|&n| (2..=6).contains(&n)), "{per:?}");
+    }
+
+    #[test]
+    fn two_adapters_take_separate_workers_with_one_slot_each() {
+        let mut r = router(1, 50);
+        let a = route(&mut r, "a1", &text(1), 0);
+        let b = route(&mut r, "a2", &text(2), 1);
+        assert_ne!(a.decode, b.decode, "a1's worker has no free slot for a2");
+        r.on_finish(&a, 2);
+        r.on_finish(&b, 3);
+        let a2 = route(&mut r, "a1", &text(3), 4);
+        let b2 = route(&mut r, "a2", &text(4), 5);
+        assert_eq!((a2.decode, b2.decode), (a.decode, b.decode));
+    }
+
+    #[test]
+    fn adapters_go_only_to_workers_serving_them_and_an_unknown_one_is_refused() {
+        let json = r#"{"workers":[
+                {"name":"w0","models":["base","a1"]},{"name":"w1","models":["base","a1"]},
+                {"name":"w2","models":["base","a2"]},{"name":"w3","models":["base","a2"]}],
+                "lora":{"adapters":["a1","a2","a3"]}}"#;
+        let mut r = Router::new(Config::from_json(json.as_bytes()).unwrap(), 1, 7);
+        for i in 0..12 {
+            let d = route(&mut r, "a1", &text(i), i);
+            assert!(d.decode < 2, "{}", d.decode);
+        }
+        let body = serde_json::to_vec(&serde_json::json!({"model": "a3", "prompt": "x"})).unwrap();
+        assert_eq!(
+            r.route(ApiKind::Completions, &body, 20),
+            RouteResult::UnknownModel("a3".into())
+        );
+    }
+
+    #[test]
+    fn a_metrics_report_places_adapters_this_router_never_sent() {
+        let mut r = router(1, 50);
+        let report = LoraReport {
+            max_lora: Some(2),
+            running: vec![adapter_id("a3")],
+            waiting: vec![],
+        };
+        let ev = r.on_lora(2, report, 0);
+        assert!(matches!(ev, crate::events::Event::Lora { worker: 2, .. }));
+        let d = route(&mut r, "a3", &text(7), 1);
+        assert_eq!(d.decode, 2);
+    }
+}
