@@ -203,11 +203,11 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
     use super::*;
     use crate::config::Config;
     use crate::hashing::HashParams;
     use crate::request::{parse, ApiKind};
+    use crate::router::testutil::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

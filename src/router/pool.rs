@@ -108,10 +108,10 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
     use super::*;
     use crate::config::Config;
     use crate::request::ApiKind;
+    use crate::router::testutil::*;
     use crate::router::{Fallback, RouteResult};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;

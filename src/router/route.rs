@@ -381,10 +381,10 @@ fn describe(e: &ParseError) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
     use super::*;
     use crate::config::{Config, Role};
     use crate::feedback::OrcaLoad;
+    use crate::router::testutil::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -13,10 +13,10 @@ pub(super) fn decode(p: &SelectParams, c: &Candidate, r: &RequestShape, b: &Basi
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
-    use super::super::*;
     use crate::load::{LoadParams, LoadTable, NewRequest, WorkerView};
     use crate::rng::Rng;
+    use crate::select::testutil::*;
+    use crate::select::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

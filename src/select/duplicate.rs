@@ -28,10 +28,10 @@ pub(super) fn duplicate(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
-    use super::super::*;
     use crate::load::WorkerView;
     use crate::rng::Rng;
+    use crate::select::testutil::*;
+    use crate::select::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -17,10 +17,10 @@ pub(super) fn prefill(p: &SelectParams, c: &Candidate, b: &Basis) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
-    use super::super::*;
     use crate::load::WorkerView;
     use crate::rng::Rng;
+    use crate::select::testutil::*;
+    use crate::select::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -24,10 +24,10 @@ pub(super) fn recompute(p: &SelectParams, c: &Candidate, pool: &Pool, b: &Basis)
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
-    use super::super::*;
     use crate::load::WorkerView;
     use crate::rng::Rng;
+    use crate::select::testutil::*;
+    use crate::select::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

@@ -87,10 +87,10 @@ pub(super) fn share(p: &SelectParams, c: &Candidate, r: &RequestShape, pool: &Po
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::*;
-    use super::super::*;
     use crate::load::{LoadParams, LoadTable, NewRequest, WorkerView};
     use crate::rng::Rng;
+    use crate::select::testutil::*;
+    use crate::select::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
