@@ -166,7 +166,7 @@ mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn parse(s: &str) -> Result<Config, ConfigError> {
+    pub(super) fn parse(s: &str) -> Result<Config, ConfigError> {
         Config::from_json(s.as_bytes())
     }
 

@@ -300,13 +300,9 @@ fn is_host_port(s: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::config::tests::parse;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    fn parse(s: &str) -> Result<Config, ConfigError> {
-        Config::from_json(s.as_bytes())
-    }
 
     #[test]
     fn errors_name_the_field() {

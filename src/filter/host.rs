@@ -11,6 +11,8 @@ use std::time::Duration;
 /// What a host call answers: a `Status` other than `Ok` is an error.
 pub type HostResult<T> = Result<T, Status>;
 
+/// `ProxyHost` and the tests' `FakeHost` both implement every method, so each long signature
+/// stands three times (`duplicates` pairs them); only the bodies differ.
 pub trait Host {
     /// A header's value as raw bytes: clients can send any byte in a value (h2c `:path`).
     fn header(&self, map: MapType, name: &str) -> HostResult<Option<Vec<u8>>>;

@@ -30,6 +30,8 @@ impl Root {
 }
 
 impl Context for Root {
+    /// A metrics scrape's answer: the root context makes the scrapes. The signature is
+    /// proxy-wasm's, the same as `Http`'s for tokenize answers (`duplicates` pairs them).
     fn on_http_call_response(
         &mut self,
         token_id: u32,

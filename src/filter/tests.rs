@@ -998,6 +998,14 @@ fn two_vms(extra: &str) -> (Rc<MemoryBus>, Vm, Vm) {
     (bus, a, b)
 }
 
+/// Past the first timer (housekeeping, peers known) and serving.
+fn serve(vms: &[&Vm]) {
+    for vm in vms {
+        vm.state.borrow_mut().on_timer();
+        vm.state.borrow_mut().start_serving();
+    }
+}
+
 #[test]
 fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
     let (bus, a, b) = two_vms(NO_DISAGG);
@@ -1043,10 +1051,7 @@ fn decisions_leave_after_the_callback_and_wait_until_the_peer_routes() {
 #[test]
 fn a_thread_charges_the_others_picks_before_their_events_arrive() {
     let (_bus, a, b) = two_vms(NO_DISAGG);
-    for vm in [&a, &b] {
-        vm.state.borrow_mut().on_timer();
-        vm.state.borrow_mut().start_serving();
-    }
+    serve(&[&a, &b]);
     // Two requests of one burst, one on each thread, before either event left.
     let (_ha, _) = a.post("the first of a burst");
     assert_eq!(a.counter("kvroute.replication.sent.total"), 0);
@@ -1071,10 +1076,7 @@ fn a_thread_charges_the_others_picks_before_their_events_arrive() {
 #[test]
 fn a_finished_request_is_not_in_flight_where_the_next_one_lands() {
     let (_bus, a, b) = two_vms(NO_DISAGG);
-    for vm in [&a, &b] {
-        vm.state.borrow_mut().on_timer();
-        vm.state.borrow_mut().start_serving();
-    }
+    serve(&[&a, &b]);
     // A client's request ends on a; its next one reaches b before a's timer sent any event
     // (a CPU-starved Envoy): the shared record says the first one is over.
     let (mut h, _) = a.post("one conversation");
@@ -1699,31 +1701,36 @@ fn text_prompts_route_at_once_and_tokenize_teaches_every_vm_the_engine_blocks() 
     assert_eq!(a.counter("kvroute.tokenize.failed.total"), 2);
 }
 
-#[test]
-fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
-    use crate::precise::wire::{PeerDecisions, Phase, WatchRequest};
-    use prost::Message;
-    // Two gateways (Envoy processes): separate buses, each one VM holding its relay stream.
-    let a = Vm::with_bus(
-        PRECISE,
-        Box::new(Process(Rc::new(MemoryBus::default()), None)),
-    );
-    let b = Vm::with_bus(
-        PRECISE,
-        Box::new(Process(Rc::new(MemoryBus::default()), None)),
-    );
+/// Two gateways (Envoy processes): separate buses, each one VM holding its relay stream, live.
+fn two_gateways(cfg: &str) -> (Vm, Vm) {
+    let vm = || Vm::with_bus(cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
+    let (a, b) = (vm(), vm());
     for vm in [&a, &b] {
         vm.state.borrow_mut().start_serving();
         vm.state.borrow_mut().tick();
         vm.state.borrow_mut().tick();
-        vm.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
+        vm.relay_update(
+            500,
+            &relay_update(1, crate::precise::wire::Phase::SnapshotEnd, &[]),
+        );
     }
-    let name_a = WatchRequest::decode(a.f().grpc_sent[0].1.as_slice())
+    (a, b)
+}
+
+/// The name a gateway gave itself in its watch request.
+fn gateway_name(vm: &Vm) -> String {
+    use prost::Message;
+    crate::precise::wire::WatchRequest::decode(vm.f().grpc_sent[0].1.as_slice())
         .unwrap()
-        .gateway;
-    let name_b = WatchRequest::decode(b.f().grpc_sent[0].1.as_slice())
-        .unwrap()
-        .gateway;
+        .gateway
+}
+
+#[test]
+fn gateways_share_decisions_through_the_relay_and_release_a_gone_ones_load() {
+    use crate::precise::wire::{PeerDecisions, Phase, WatchRequest};
+    use prost::Message;
+    let (a, b) = two_gateways(PRECISE);
+    let (name_a, name_b) = (gateway_name(&a), gateway_name(&b));
     assert_ne!(name_a, name_b, "each process names itself");
 
     // A routes and confirms a long prompt; its decisions go to its relay.
@@ -1780,17 +1787,8 @@ fn the_next_turn_through_the_other_gateway_beats_the_first_turns_end_events() {
     let cfg = r#","disaggregation":{"threshold_tokens":0},"relay":{"cluster":"relay"}"#;
     let moved = (0..12u64)
         .filter(|&i| {
-            let a = Vm::with_bus(cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
-            let b = Vm::with_bus(cfg, Box::new(Process(Rc::new(MemoryBus::default()), None)));
-            for vm in [&a, &b] {
-                vm.state.borrow_mut().start_serving();
-                vm.state.borrow_mut().tick();
-                vm.state.borrow_mut().tick();
-                vm.relay_update(500, &relay_update(1, Phase::SnapshotEnd, &[]));
-            }
-            let name_a = WatchRequest::decode(a.f().grpc_sent[0].1.as_slice())
-                .unwrap()
-                .gateway;
+            let (a, b) = two_gateways(cfg);
+            let name_a = gateway_name(&a);
             let user = format!("conversation {i}: {}", "lorem ipsum dolor sit amet ".repeat(12));
             let turn1 = serde_json::json!({"model": "m", "max_tokens": 8, "prompt": user});
             let (h, _) = a.post_json(turn1);

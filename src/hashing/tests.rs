@@ -17,10 +17,11 @@ fn completion_hashes(body: &str, p: &HashParams) -> PromptHashes {
     prompt_hashes(&parse(ApiKind::Completions, body.as_bytes()).unwrap(), p)
 }
 
-fn text_request(text: &str) -> InferenceRequest<'_> {
+/// A request for model `m` with nothing but this prompt.
+fn request(prompt: Prompt<'_>) -> InferenceRequest<'_> {
     InferenceRequest {
         model: "m".into(),
-        prompt: Prompt::Text(vec![text.into()]),
+        prompt,
         max_tokens: None,
         stream: false,
         include_usage: false,
@@ -28,6 +29,10 @@ fn text_request(text: &str) -> InferenceRequest<'_> {
         cache_key: None,
         skipped_parts: 0,
     }
+}
+
+fn text_request(text: &str) -> InferenceRequest<'_> {
+    request(Prompt::Text(vec![text.into()]))
 }
 
 const SMALL: HashParams = HashParams {
@@ -511,16 +516,7 @@ mod props {
         messages: Vec<Message<'static>>,
         tools: Vec<Value>,
     ) -> InferenceRequest<'static> {
-        InferenceRequest {
-            model: Cow::Borrowed("m"),
-            prompt: Prompt::Chat { messages, tools },
-            max_tokens: None,
-            stream: false,
-            include_usage: false,
-            cache_salt: None,
-            cache_key: None,
-            skipped_parts: 0,
-        }
+        request(Prompt::Chat { messages, tools })
     }
 
     fn params() -> impl Strategy<Value = HashParams> {
@@ -595,16 +591,7 @@ mod props {
             tokens in prop::collection::vec(any::<u32>(), 1..100),
             p in params(),
         ) {
-            let req = InferenceRequest {
-                model: Cow::Borrowed("m"),
-                prompt: Prompt::Tokens(vec![tokens.clone()]),
-                max_tokens: None,
-                stream: false,
-                include_usage: false,
-                cache_salt: None,
-                cache_key: None,
-                skipped_parts: 0,
-            };
+            let req = request(Prompt::Tokens(vec![tokens.clone()]));
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
             prop_assert_eq!(&canonical_stream(&req), &bytes);
             let h = prompt_hashes(&req, &p);

@@ -240,6 +240,14 @@ mod tests {
         }
     }
 
+    /// The events a live update makes.
+    fn live(f: &mut Feed, seq: u64, workers: Vec<WorkerDelta>) -> Vec<Event> {
+        let mut out = Vec::new();
+        f.apply(&update(seq, Phase::Live, workers), names, &mut out)
+            .unwrap();
+        out
+    }
+
     #[test]
     fn snapshot_then_deltas_feed_the_described_workers_only() {
         let mut f = Feed::new();
@@ -274,15 +282,8 @@ mod tests {
                 },
             ]
         );
-        out.clear();
-        f.apply(
-            &update(3, Phase::Live, vec![delta("a", false, &[3], &[1])]),
-            names,
-            &mut out,
-        )
-        .unwrap();
         assert_eq!(
-            out,
+            live(&mut f, 3, vec![delta("a", false, &[3], &[1])]),
             vec![
                 Event::EngineStored {
                     worker: 0,
@@ -377,15 +378,8 @@ mod tests {
         st.stale = true;
         f.apply(&update(4, Phase::Live, vec![st]), names, &mut out)
             .unwrap();
-        out.clear();
-        f.apply(
-            &update(5, Phase::Live, vec![delta("b", true, &[5], &[])]),
-            names,
-            &mut out,
-        )
-        .unwrap();
         assert_eq!(
-            out,
+            live(&mut f, 5, vec![delta("b", true, &[5], &[])]),
             vec![
                 Event::EngineCleared { worker: 1 },
                 Event::EngineStored {

@@ -5,6 +5,10 @@ use crate::config::Config;
 use crate::ids::WorkerId;
 use crate::load::WorkerView;
 
+/// The scoring weights of `crate::config::ScoringConfig` by the same names (`duplicates`
+/// pairs the two lists), with the busy thresholds and the prices derived from `load` and
+/// `lora`: one flat `Copy` value per router, so a term reads `p.<knob>` whatever section the
+/// knob is configured in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelectParams {
     pub block_size: u32,
