@@ -6,7 +6,9 @@
 # (<= 40 min on 2 cores, estimated); `make bench-scenarios` (= `make bench-quick`) runs the
 # production-like synthetic scenarios for kvroute and the main baselines at two loads, goodput
 # read off the sweep (<= 8 min); `make bench-signals`
-# compares router signals (real vLLM defaults against the old mock flags).
+# compares router signals (real vLLM defaults against the old mock flags); `make test-peers`
+# installs the peer routers and runs their end-to-end cases (tests/e2e/test_peers_dynamo.py,
+# which `make test` skips where they are not installed).
 # Results: bench/results/<name>/.
 # Included by the main Makefile (`-include mk/*.mk`); uses its `venv` (Envoy) and `wasm`.
 # Extra flags for bench/run.py: make bench BENCH_ARGS="--policies oracle,envoy-round-robin".
@@ -46,10 +48,16 @@ extproc-picker:
 	cargo build --profile relay -p kvroute-relay --example extproc_picker
 
 # tests/e2e/test_peers_dynamo.py checks the picker, Dynamo's selection service and
-# vllm-router's kv_aware mode against mock workers: make test builds and installs them (a
-# failed peer install skips only that peer's test, as in the bench).
-test-e2e: extproc-picker build/dynamo-venv/.installed-$(DYNAMO_VERSION) \
+# vllm-router's kv_aware mode against mock workers. make test builds only the picker: the peer
+# routers are bench dependencies (minutes of pip installs), so their cases run where they are
+# installed (make bench-deps) and skip, saying so, elsewhere; make test-peers installs them
+# and runs the module with nothing skipped.
+test-e2e: extproc-picker
+
+.PHONY: test-peers
+test-peers: venv mock-worker extproc-picker build/dynamo-venv/.installed-$(DYNAMO_VERSION) \
 		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION)
+	KVROUTE_REQUIRE_PEERS=1 $(PY) -m pytest tests/e2e/test_peers_dynamo.py -q
 
 .PHONY: bench-deps
 bench-deps: venv $(BENCH_VENV)/.installed build/sglang-venv/.installed-$(SGLANG_ROUTER_VERSION) \

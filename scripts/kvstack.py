@@ -563,6 +563,25 @@ def stream(port: int, path: str, body: dict, timeout: float = 60.0):
         conn.close()
 
 
+def stream_to_the_end(port: int, path: str, body: dict, timeout: float = 120.0):
+    """Streaming POST read until the server ends it, cleanly or not (a worker killed mid-stream
+    cuts the chunked encoding mid-chunk): (status, headers, every byte received)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        data = b""
+        try:
+            while piece := r.read1(65536):
+                data += piece
+        except (http.client.HTTPException, ValueError, OSError):
+            pass  # the stream was cut
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, data
+    finally:
+        conn.close()
+
+
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -706,10 +725,13 @@ class VllmWorker(Worker):
 
     def __init__(self, name: str, port: int = 0, kv_blocks: int = 128, core: int | None = None,
                  kv_events: int = 0, kv_replay: int = 0, max_model_len: int = 0, eager: bool = True,
-                 args: list | None = None):
+                 args: list | None = None, extra_env: dict | None = None):
         super().__init__(name, role="both", port=port, kv_blocks=kv_blocks, prompt_tokens_details=True,
                          args=list(args or []), kv_events=kv_events, kv_replay=kv_replay)
         self.core = core
+        # Set on every start, restarts included (an engine shared by several test modules
+        # carries its own leak-check mark: tests/e2e/conftest.py).
+        self.extra_env = dict(extra_env or {})
         # torch.compile costs 12-80 s per start (its cache never loads with this vLLM and torch:
         # "'function' object has no attribute 'finalize_loading'", so every start compiles) and
         # bought nothing on the tiny model here (prefill of 2.3k tokens and decode as fast eager).
@@ -752,6 +774,7 @@ class VllmWorker(Worker):
                     # torch.compile's cache (~40 s to fill on the first start) under build/ too.
                     "VLLM_CACHE_ROOT": os.path.join(VLLM_DIR, "vllm-cache"),
                     "VLLM_CPU_OMP_THREADS_BIND": str(self.core if self.core is not None else 0)})
+        env.update(self.extra_env)
         return env
 
     def running(self) -> bool:
@@ -946,3 +969,44 @@ def vllm_reset_prefix_cache(w: Worker, step: bool = True) -> None:
                                   {"model": VLLM_MODEL, "prompt": [1], "max_tokens": 1}, timeout=60)
         if status != 200:
             raise RuntimeError(f"{w.name}: a one-token request answered {status}: {body[:200]!r}")
+
+
+# PEFT-layout LoRAs of rank 8 on q_proj and v_proj of every layer of the tiny model, weights
+# large enough that greedy outputs differ from the base model's; argv: the model dir, then a
+# folder and a seed per adapter. Run by the vLLM venv's python (torch + safetensors, imported
+# once for all adapters): nothing is downloaded.
+WRITE_LORA_ADAPTERS = r"""
+import json, sys, torch
+from safetensors.torch import save_file
+model, jobs = sys.argv[1], sys.argv[2:]
+cfg = json.load(open(model + "/config.json"))
+h, r = cfg["hidden_size"], 8
+kv = cfg["num_key_value_heads"] * cfg.get("head_dim", h // cfg["num_attention_heads"])
+for out, seed in zip(jobs[::2], map(int, jobs[1::2])):
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for m, o in (("q_proj", h), ("v_proj", kv)):
+            p = f"base_model.model.model.layers.{i}.self_attn.{m}"
+            t[p + ".lora_A.weight"] = (torch.randn(r, h, generator=g) * 0.1).to(torch.bfloat16)
+            t[p + ".lora_B.weight"] = (torch.randn(o, r, generator=g) * 0.1).to(torch.bfloat16)
+    save_file(t, out + "/adapter_model.safetensors")
+    json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 16, "lora_dropout": 0.0,
+               "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": model},
+              open(out + "/adapter_config.json", "w"))
+"""
+VLLM_LORA_RANK = 8
+
+
+def vllm_lora_args(d: str, seeds: dict[str, int], max_loras: int) -> list[str]:
+    """Writes one random rank-8 adapter per name (seeded: the same weights every run) under
+    `d`/adapters and returns the vLLM arguments that serve them (`--enable-lora`)."""
+    jobs, mods = [], []
+    for name, seed in seeds.items():
+        p = os.path.join(d, "adapters", name)
+        os.makedirs(p)
+        jobs += [p, str(seed)]
+        mods.append(f"{name}={p}")
+    subprocess.run([VLLM_PYTHON, "-c", WRITE_LORA_ADAPTERS, VLLM_MODEL_DIR, *jobs], check=True, timeout=120)
+    return ["--enable-lora", "--lora-modules", *mods, "--max-loras", str(max_loras),
+            "--max-lora-rank", str(VLLM_LORA_RANK)]

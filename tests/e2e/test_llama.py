@@ -9,7 +9,6 @@ requests are in flight. Skipped when llama-server is not built (`make test` buil
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from kvstack import (  # noqa: E402
     request,
     sse_usage,
     stream,
+    stream_to_the_end,
     text,
 )
 
@@ -197,18 +197,7 @@ def test_killed_worker_loses_nothing_that_can_be_retried():
 
         def streaming():
             msgs = doc + [{"role": "user", "content": "streaming while it dies"}]
-            conn = http.client.HTTPConnection("127.0.0.1", s.listen, timeout=120)
-            conn.request("POST", CHAT, body=json.dumps({**long_body, "messages": msgs, "stream": True}),
-                         headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            body = b""
-            try:
-                while piece := r.read1(65536):
-                    body += piece
-            except (http.client.HTTPException, ValueError, OSError):
-                pass  # the stream was cut: chunked encoding ends mid-chunk
-            conn.close()
-            streamed.append((r.status, {k.lower(): v for k, v in r.getheaders()}, body))
+            streamed.append(stream_to_the_end(s.listen, CHAT, {**long_body, "messages": msgs}))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=streaming)]
         for t in threads:

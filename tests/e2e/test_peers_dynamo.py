@@ -3,8 +3,10 @@ the ext_proc picker really decides where Envoy sends a request, Dynamo's selecti
 (through our glue) routes a repeated prompt to the worker its KV events show holding it and
 its booked load returns to zero, and vllm-router's kv_aware answers on the workers' events.
 
-Needs target/relay/examples/extproc_picker (`make extproc-picker`), build/dynamo-venv and
-build/vllmr-venv (`make bench-deps`); a missing one skips its test."""
+Needs target/relay/examples/extproc_picker (`make extproc-picker`, part of `make test`),
+build/dynamo-venv and build/vllmr-venv (bench dependencies, not installed by `make test`:
+`make bench-deps` or `make test-peers`); a missing one skips its test, except under
+`make test-peers` (KVROUTE_REQUIRE_PEERS=1), where it fails."""
 
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ CFG = dict(PRESETS["quick"], block_size=16, kv_blocks=4096)
 DOC = "the quarterly report says revenue grew in every region " * 120
 
 
+REQUIRED = os.environ.get("KVROUTE_REQUIRE_PEERS", "") not in ("", "0")
+
+
+def need(path: str, what: str, how: str) -> None:
+    if not os.path.exists(path):
+        (pytest.fail if REQUIRED else pytest.skip)(f"{what}: {path} missing ({how})")
+
+
 @pytest.fixture
 def cell(tmp_path):
     yield str(tmp_path)
@@ -44,8 +54,7 @@ def ask(url, prompt, stream=False):
 
 
 def test_the_extproc_picker_names_the_worker_envoy_connects_to(cell):
-    if not os.path.exists(peers.PICKER):
-        pytest.skip(f"{peers.PICKER} not built (make extproc-picker)")
+    need(peers.PICKER, "the ext_proc picker is not built", "make extproc-picker")
     ws = start_fleet(CFG, cell, n=2, speedup=1e6)
     envoy, picker, url = peers.start_extproc(CFG, ws, os.path.join(cell, "ep"))
     got = [ask(url, f"question {i}") for i in range(6)]
@@ -60,8 +69,9 @@ def test_the_extproc_picker_names_the_worker_envoy_connects_to(cell):
 
 @pytest.mark.parametrize("policy", ["dynamo-kv", "dynamo-approx"])
 def test_dynamo_routes_a_repeated_prompt_to_one_worker_and_frees_its_load(cell, policy):
-    if not os.path.exists(peers.DYNAMO_PY):
-        pytest.skip(f"{peers.DYNAMO_PY} missing (make bench-deps)")
+    need(peers.DYNAMO_PY, "Dynamo's KV router (ai-dynamo-runtime) is not installed",
+         "a bench dependency: make bench-deps or make test-peers")
+    need(peers.GLUE, "dynamo-glue is not built", "make test-peers")
     ws = start_fleet(CFG, cell, n=3, speedup=100, kv_events=POLICY[policy].events)
     procs, url, parts = peers.start(CFG, policy, ws, cell)
     assert set(parts) == {"router", "glue"}
@@ -85,8 +95,7 @@ def test_dynamo_routes_a_repeated_prompt_to_one_worker_and_frees_its_load(cell, 
 
 
 def test_vllm_router_kv_aware_runs_on_the_workers_events(cell):
-    if not os.path.exists(paths.VLLMR):
-        pytest.skip(f"{paths.VLLMR} missing (make bench-deps)")
+    need(paths.VLLMR, "vllm-router is not installed", "a bench dependency: make bench-deps or make test-peers")
     ws = start_fleet(CFG, cell, n=3, speedup=100, kv_events=True)
     procs, url, _ = peers.start(CFG, peers.KV_AWARE, ws, cell)
     check_routes(url, procs, peers.KV_AWARE)

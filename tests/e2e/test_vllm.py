@@ -8,20 +8,19 @@ own figures: chat affinity and cache hits, precise mode's predictions under evic
 cache reset and an engine restart, the tokenize callout, the load signals, and an engine killed
 while requests are in flight.
 
-One fleet of three engines (one core each, 96 KV blocks of 32 tokens: eviction happens) and
-one relay serve the whole module: an engine starts in about a minute here. Each test puts its
-own Envoy in front and starts from empty prefix caches. Skipped when vLLM is not installed,
-except under `make test` (KVROUTE_REQUIRE_VLLM=1), which installs it first.
+The session's three engines (conftest.py `vllm_engines`: one core each, 96 KV blocks of 32
+tokens, so eviction happens; shared with test_vllm_lora.py, which is why LoRA is on) and one
+relay serve the whole module. Each test puts its own Envoy in front and starts from empty
+prefix caches. Skipped when vLLM is not installed, except under `make test`
+(KVROUTE_REQUIRE_VLLM=1), which installs it first.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,21 +41,17 @@ from kvstack import (  # noqa: E402
     sse_usage,
     start_vllm,
     stream,
+    stream_to_the_end,
     text,
     tokens,
-    vllm_fleet,
     vllm_kvroute,
-    vllm_paths,
     vllm_relay,
     vllm_reset_prefix_cache,
 )
 
-REQUIRED = os.environ.get("KVROUTE_REQUIRE_VLLM", "") not in ("", "0")
-pytestmark = pytest.mark.skipif(vllm_paths() is None and not REQUIRED,
-                                reason="vLLM not installed (scripts/vllm_install.sh, make vllm)")
+pytestmark = pytest.mark.vllm
 
 BLOCK = VLLM_BLOCK
-KV_BLOCKS = 96
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -69,36 +64,22 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    if vllm_paths() is None:
-        pytest.fail("vLLM is not installed: make vllm (scripts/vllm_install.sh)")
+def fleet(vllm_engines):
     if not os.path.exists(RELAY):
         pytest.fail("kvroute-relay is not built: make relay")
-    workers = vllm_fleet(3, kv_blocks=KV_BLOCKS, kv_events=True)
-    d = tempfile.mkdtemp(prefix="kvroute-vllm-")
-    t0 = time.time()
-    start_vllm(workers, d)
-    print(f"\n3 vLLM engines healthy in {time.time() - t0:.0f} s ("
-          + ", ".join(f"{w.name} {w.started_s:.0f} s" for w in workers) + f"); logs in {d}")
-    relay = vllm_relay(workers)
+    vllm_engines.revive()
+    relay = vllm_relay(vllm_engines.workers)
     try:
-        relay.start(d)
-        yield Fleet(workers, relay, d)
+        relay.start(vllm_engines.dir)
+        yield Fleet(vllm_engines.workers, relay, vllm_engines.dir)
     finally:
         relay.stop()
-        for w in workers:
-            w.stop()
-        # No engine process may outlive the module (vLLM's engine core is a child of its API server).
-        for w in workers:
-            assert w.proc is None or w.proc.poll() is not None
 
 
 @pytest.fixture(autouse=True)
-def empty_caches(fleet):
+def empty_caches(fleet, vllm_engines):
     """Each test starts from empty prefix caches on live engines."""
-    dead = [w for w in fleet.workers if not w.running()]
-    if dead:
-        start_vllm(dead, fleet.dir)
+    vllm_engines.revive()
     for w in fleet.workers:
         vllm_reset_prefix_cache(w)
     wait_relay_blocks(fleet, lambda n: n == 0, "every engine's blocks cleared after the reset")
@@ -331,19 +312,7 @@ def test_killed_engine_loses_nothing_retryable_and_its_restart_empties_its_entri
         streamed = []
 
         def streaming():
-            conn = http.client.HTTPConnection("127.0.0.1", s.listen, timeout=120)
-            conn.request("POST", COMPLETIONS, body=json.dumps({**long_body, "prompt": doc + tokens(99, BLOCK),
-                                                               "stream": True}),
-                         headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            body = b""
-            try:
-                while piece := r.read1(65536):
-                    body += piece
-            except (http.client.HTTPException, ValueError, OSError):
-                pass  # the stream was cut: chunked encoding ends mid-chunk
-            conn.close()
-            streamed.append((r.status, {k.lower(): v for k, v in r.getheaders()}, body))
+            streamed.append(stream_to_the_end(s.listen, COMPLETIONS, {**long_body, "prompt": doc + tokens(99, BLOCK)}))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=streaming)]
         for t in threads:

@@ -42,10 +42,8 @@ from kvstack import (  # noqa: E402
 zmq = pytest.importorskip("zmq", reason="pyzmq not installed (make nats)")
 msgspec = pytest.importorskip("msgspec", reason="msgspec not installed (make nats)")
 
-REQUIRED = os.environ.get("KVROUTE_REQUIRE_VLLM", "") not in ("", "0")
 pytestmark = [
-    pytest.mark.skipif(vllm_paths() is None and not REQUIRED,
-                       reason="vLLM not installed (scripts/vllm_install.sh, make vllm)"),
+    pytest.mark.vllm,
     pytest.mark.skipif(not os.path.exists(MOCK), reason="mock-worker not built (make mock-worker)"),
 ]
 
