@@ -89,16 +89,20 @@ $(VENV)/.ruff-$(RUFF_VERSION): $(VENV)/.installed-$(ENVOY_VERSION)
 	$(VENV)/bin/pip install -q --disable-pip-version-check ruff==$(RUFF_VERSION)
 	@touch $@
 
+# The simulated worker alone: its other binaries (mock-bench, dynamo-glue) are each another
+# LTO link, built where they are used (bench-deps, test-peers).
 .PHONY: mock-worker
 mock-worker:
-	cargo build --release -p mock-worker
+	cargo build --release -p mock-worker --bin mock-worker
 
 # kvroute-relay (precise mode): the engines' KV events into Envoy, see relay/README.md. Its
 # own profile unwinds on a panic (the release profile aborts), so one engine's task can fail
-# without taking the relay down.
+# without taking the relay down. Built with the ext_proc picker (mk/bench.mk): an example
+# turns on the relay's dev-dependencies, so building the two apart would compile the relay
+# and its gRPC stack twice, with two feature sets, and relink the relay each time.
 .PHONY: relay
 relay:
-	cargo build --profile relay -p kvroute-relay
+	cargo build --profile relay -p kvroute-relay --bin kvroute-relay --example extproc_picker
 
 # ---- the demo stack
 .PHONY: run stop demo
@@ -116,9 +120,26 @@ demo: wasm mock-worker venv
 # Every process the suites start inherits this run's mark; one that still runs once they are
 # done is a leak, and fails the run (scripts/leftovers.py lists and kills it).
 test: export KVROUTE_TEST_RUN := make-$(shell date +%s%N)
-test: lint test-native test-wasm test-e2e $(TEST_EXTRA)
+test: lint test-deps test-native test-wasm test-e2e $(TEST_EXTRA)
 	@python3 scripts/leftovers.py --kill
 	@echo "make test: all suites passed"
+
+# What the suites after lint need, built and installed before they run, in three lines of
+# work at once: llama-server's C++ build, the vLLM install (mostly unpacking wheels), and one
+# after another everything else (the toolchain, the venv and its tools, Prometheus, every Rust
+# build the suites run, tests included). Those two are niced and use what the Rust builds
+# leave idle: a link with LTO and one codegen unit keeps a single core busy for a minute.
+.PHONY: test-deps _test_deps_serial _test_builds
+test-deps:
+	@$(MAKE) --no-print-directory -j3 llama vllm _test_deps_serial
+
+_test_deps_serial:
+	@$(MAKE) --no-print-directory -j1 $(VENV)/.ruff-$(RUFF_VERSION) nats prometheus wasm mock-worker \
+		relay _test_builds
+
+_test_builds: $(TOOLCHAIN_MK)
+	cargo test --workspace --no-run
+	@$(MAKE) --no-print-directory _test_wasm TEST_WASM_ARGS=--no-run
 
 .PHONY: test-native
 # The relay's NATS tests need nats-server (from the venv) and must not skip here.
@@ -135,7 +156,7 @@ test-wasm: $(TOOLCHAIN_MK)
 _test_wasm:
 	$(WASM_ENV) CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=$(WASM_BINDGEN_RUNNER) \
 		$(WASM_CARGO) test --lib -p kvroute --no-default-features \
-		--target wasm32-unknown-unknown $(WASM_STD_FLAGS)
+		--target wasm32-unknown-unknown $(WASM_STD_FLAGS) $(TEST_WASM_ARGS)
 
 .PHONY: test-e2e
 test-e2e: wasm mock-worker relay venv nats prometheus

@@ -42,10 +42,10 @@ build/dynamo-venv/.installed-$(DYNAMO_VERSION):
 	-python3 -m venv build/dynamo-venv && build/dynamo-venv/bin/pip install -q \
 		--disable-pip-version-check ai-dynamo-runtime==$(DYNAMO_VERSION) && touch $@
 
-# The ext_proc floor of the overhead step: a minimal gRPC endpoint picker for Envoy's ext_proc.
+# The ext_proc floor of the overhead step: a minimal gRPC endpoint picker for Envoy's ext_proc,
+# built by `make relay` (the Makefile says why).
 .PHONY: extproc-picker
-extproc-picker:
-	cargo build --profile relay -p kvroute-relay --example extproc_picker
+extproc-picker: relay
 
 # tests/e2e/test_peers_dynamo.py checks the picker, Dynamo's selection service and
 # vllm-router's kv_aware mode against mock workers. make test builds only the picker: the peer
@@ -57,6 +57,7 @@ test-e2e: extproc-picker
 .PHONY: test-peers
 test-peers: venv mock-worker extproc-picker build/dynamo-venv/.installed-$(DYNAMO_VERSION) \
 		build/vllmr-venv/.installed-$(VLLM_ROUTER_VERSION)
+	cargo build --release -p mock-worker --bin dynamo-glue
 	KVROUTE_REQUIRE_PEERS=1 $(PY) -m pytest tests/e2e/test_peers_dynamo.py -q
 
 .PHONY: bench-deps

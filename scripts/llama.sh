@@ -51,13 +51,15 @@ if [[ -z $TREE || ! -f $TREE/CMakeLists.txt ]]; then
   exit 1
 fi
 
-# 3. llama-server, CPU only, no curl/openssl.
+# 3. llama-server, CPU only, no curl/openssl, no web UI (LLAMA_USE_PREBUILT_UI=OFF: the build
+# would otherwise try to download the UI's prebuilt assets from a model hub).
 if [[ ! -x $SERVER ]]; then
   log "building llama-server (a few minutes on 2 cores)"
   start=$(date +%s)
   BUILD=$OUT/build-$VERSION
   nice -n 10 "$VENV/bin/cmake" -S "$TREE" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF \
     >"$OUT/cmake-configure.log" 2>&1 || { tail -30 "$OUT/cmake-configure.log" >&2; exit 1; }
   nice -n 10 "$VENV/bin/cmake" --build "$BUILD" --target llama-server -j"$JOBS" \
     >"$OUT/cmake-build.log" 2>&1 || { tail -40 "$OUT/cmake-build.log" >&2; exit 1; }
