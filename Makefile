@@ -24,6 +24,7 @@ TEST_EXTRA :=
 help:
 	@echo "make demo       build, start Envoy + mock workers, compare kvroute with round-robin"
 	@echo "make test       install what is missing, build, run every test suite"
+	@echo "make test-peers the bench peers' end-to-end cases (installs Dynamo and vllm-router first)"
 	@echo "make wasm       build $(WASM)"
 	@echo "make run/stop   the demo stack in the background (Envoy :10000, admin :9901)"
 	@echo "make bench      the benchmark suite (bench-quick: a short version)"
@@ -127,8 +128,9 @@ test: lint test-deps test-native test-wasm test-e2e $(TEST_EXTRA)
 # What the suites after lint need, built and installed before they run, in three lines of
 # work at once: llama-server's C++ build, the vLLM install (mostly unpacking wheels), and one
 # after another everything else (the toolchain, the venv and its tools, Prometheus, every Rust
-# build the suites run, tests included). Those two are niced and use what the Rust builds
-# leave idle: a link with LTO and one codegen unit keeps a single core busy for a minute.
+# build the suites run, tests included, and the compose test's images where a Docker engine
+# answers). Those two are niced and use what the Rust builds leave idle: a link with LTO and
+# one codegen unit keeps a single core busy for a minute.
 .PHONY: test-deps _test_deps_serial _test_builds
 test-deps:
 	@$(MAKE) --no-print-directory -j3 llama vllm _test_deps_serial
@@ -136,6 +138,7 @@ test-deps:
 _test_deps_serial:
 	@$(MAKE) --no-print-directory -j1 $(VENV)/.ruff-$(RUFF_VERSION) nats prometheus wasm mock-worker \
 		relay _test_builds
+	@if timeout 20 docker info >/dev/null 2>&1; then $(MAKE) --no-print-directory images; fi
 
 _test_builds: $(TOOLCHAIN_MK)
 	cargo test --workspace --no-run
