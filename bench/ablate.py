@@ -35,7 +35,7 @@ VARIANTS = {
     "recompute-growth": {"recompute_weight": 0.0},
     "duplicate+copy": {"duplicate_weight": 0.0, "copy_weight": 0.0},
     "decode": {"decode_weight": 0.0},
-    "interfere": {"decode_interference": 0.0},
+    "interference": {"decode_interference": 0.0},
     "memory": {"kv_watermark": 1.0},
     "balance": {"cache_balance": 0.0},
     "share": {"request_ratio": 0.0, "request_ratio_saturated": 0.0},
