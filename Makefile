@@ -129,8 +129,10 @@ test: lint test-deps test-native test-wasm test-e2e $(TEST_EXTRA)
 # work at once: llama-server's C++ build, the vLLM install (mostly unpacking wheels), and one
 # after another everything else (the toolchain, the venv and its tools, Prometheus, every Rust
 # build the suites run, tests included, and the compose test's images where a Docker engine
-# answers). Those two are niced and use what the Rust builds leave idle: a link with LTO and
-# one codegen unit keeps a single core busy for a minute.
+# answers). llama-server's build is niced and uses what the Rust builds leave idle (a link with
+# LTO and one codegen unit keeps a single core busy for a minute). The vLLM install is not: it
+# is mostly a 3 GB download that overlaps the compiles, and niced beside them it took 1,321 s
+# instead of 294 s and became the critical path.
 .PHONY: test-deps _test_deps_serial _test_builds
 test-deps:
 	@$(MAKE) --no-print-directory -j3 llama vllm _test_deps_serial

@@ -14,7 +14,7 @@
 
 .PHONY: vllm
 vllm:
-	@nice -n 10 bash scripts/vllm_install.sh >/dev/null
+	@bash scripts/vllm_install.sh >/dev/null
 
 test-e2e: vllm
 test-e2e: export KVROUTE_REQUIRE_VLLM := 1

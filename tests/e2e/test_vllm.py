@@ -246,9 +246,19 @@ def test_tokenize_maps_chat_text_to_the_engines_blocks(fleet):
             if turn:
                 predicted = int(h["x-kvroute-predicted-cached-tokens"])
                 cached = usage["prompt_tokens_details"]["cached_tokens"]
-                assert cached > 300 and abs(predicted - cached) <= max(4 * BLOCK, 0.12 * cached), \
+                # twins.rs maps a text block `margin + 1` token blocks short of its proportional
+                # end (3 at this size) and a partly cached text block counts nothing: 4 blocks,
+                # plus one for the uneven density of text, or 12 % of a longer prompt.
+                assert cached > 300 and abs(predicted - cached) <= max(5 * BLOCK, 0.12 * cached), \
                     (turn, predicted, cached)
             msgs = msgs + [{"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]}]
+            # Both halves of the mapping arrive off the request path: the engine's KV events via
+            # the relay and /tokenize's answer. Under a loaded CI machine either can lag a fixed
+            # sleep, and the next turn would then be predicted from an older turn's mapping.
+            wait_relay_blocks(fleet, lambda n, t=usage["prompt_tokens"]: n >= t // BLOCK, "this turn's blocks", first)
+            deadline = time.time() + 5
+            while s.stats().get("kvroute_tokenize_ok_total", 0) < turn + 1 and time.time() < deadline:
+                time.sleep(0.05)
             time.sleep(0.3)
         st = s.stats()
         assert st.get("kvroute_tokenize_ok_total", 0) >= 1, st
