@@ -244,13 +244,17 @@ def test_tokenize_maps_chat_text_to_the_engines_blocks(fleet):
             first = first or h["x-worker-id"]
             assert h["x-worker-id"] == first
             if turn:
-                predicted = int(h["x-kvroute-predicted-cached-tokens"])
+                # Text blocks count in estimated tokens: prompt chars over a chars-per-token that
+                # starts at 4 and calibrates slowly from usage (this tokenizer runs near 3.4 on
+                # this text), so compare the cached share of the prompt, not token counts.
+                estimated = int(h["x-kvroute-prompt-tokens"])
+                predicted = int(h["x-kvroute-predicted-cached-tokens"]) * usage["prompt_tokens"] / estimated
                 cached = usage["prompt_tokens_details"]["cached_tokens"]
                 # twins.rs maps a text block `margin + 1` token blocks short of its proportional
                 # end (3 at this size) and a partly cached text block counts nothing: 4 blocks,
-                # plus one for the uneven density of text, or 12 % of a longer prompt.
-                assert cached > 300 and abs(predicted - cached) <= max(5 * BLOCK, 0.12 * cached), \
-                    (turn, predicted, cached)
+                # or 12 % of a longer prompt for the uneven density of text.
+                assert cached > 300 and abs(predicted - cached) <= max(4 * BLOCK, 0.12 * cached), \
+                    (turn, predicted, cached, estimated, usage["prompt_tokens"])
             msgs = msgs + [{"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]}]
             # Both halves of the mapping arrive off the request path: the engine's KV events via
             # the relay and /tokenize's answer. Under a loaded CI machine either can lag a fixed
