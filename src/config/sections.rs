@@ -88,7 +88,8 @@ impl Default for LoadConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
-    /// How long a worker that failed (5xx, 429, connect error) is avoided.
+    /// How long a worker that failed (its own 5xx, a connect error or reset, a timeout) is
+    /// avoided; a 429 is a limit, not a failure (`crate::feedback::classify`).
     pub cooldown_ms: u64,
     /// The least time a try may wait for its worker's response headers before Envoy resets
     /// it and retries on another worker (`x-envoy-upstream-rq-per-try-timeout-ms`, set per
