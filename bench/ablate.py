@@ -98,9 +98,10 @@ def measure(args, outdir, state):
                         json.dump(state, f, indent=1)
 
 
-def verdicts(state, tol):
+def verdicts(state, tol, hit_tol):
     """Per (workers, scenario, load, metric): the default's range over its runs, each variant's
-    median, and whether it is worse/better beyond the range widened by `tol` (relative)."""
+    median, and whether it is worse/better beyond the range widened by `tol` (relative; hit
+    rate: `hit_tol` absolute)."""
     base, var = {}, {}
     for r in state["runs"].values():
         for load, c in r.get("cells", {}).items():
@@ -118,7 +119,7 @@ def verdicts(state, tol):
             lo, hi = min(base[k]), max(base[k])
             med = statistics.median(vals)
             higher_better = k[3] == "hit"
-            slack = tol * max(abs(lo), abs(hi), 1e-9) if not higher_better else tol
+            slack = tol * max(abs(lo), abs(hi), 1e-9) if not higher_better else hit_tol
             if higher_better:
                 worse, better = med < lo - slack, med > hi + slack
             else:
@@ -129,14 +130,14 @@ def verdicts(state, tol):
     return out
 
 
-def report(state, outdir, tol):
-    vd = verdicts(state, tol)
+def report(state, outdir, tol, hit_tol):
+    vd = verdicts(state, tol, hit_tol)
     lines = [f"# Knob ablation: {state['name']}", "",
              f"Command: `{state['command']}`  ",
              f"Started {state['date']}; held-out split; quick preset loads (scaled by workers / 8).  ",
              "Each variant switches one term off (`kvroute-tuned`); the default (`kvroute`) runs at the "
              "start and end of every pass. A cell is **worse** or **better** when the variant's median is "
-             f"outside the default's range over its runs widened by {tol:.0%} (hit rate: {tol:.2f} absolute). "
+             f"outside the default's range over its runs widened by {tol:.0%} (hit rate: {hit_tol:.3f} absolute). "
              "TTFT and TPOT in simulated seconds.", "",
              "| variant | settings | cells worse | cells better | worst cell (variant vs default range) |",
              "|---|---|---:|---:|---|"]
@@ -179,6 +180,8 @@ def main():
     ap.add_argument("--no-bracket", dest="bracket", action="store_false",
                     help="run the default only at the start of each pass, not also at its end")
     ap.add_argument("--tol", type=float, default=0.05, help="relative slack beyond the default's range [0.05]")
+    ap.add_argument("--hit-tol", type=float, default=0.003,
+                    help="absolute slack on hit rate beyond the default's range [0.003]")
     ap.add_argument("--report-only", action="store_true")
     a = ap.parse_args()
     outdir = os.path.join(ROOT, "bench", "results", a.name)
@@ -192,7 +195,7 @@ def main():
                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}}
     if not a.report_only:
         measure(a, outdir, state)
-    report(state, outdir, a.tol)
+    report(state, outdir, a.tol, a.hit_tol)
 
 
 if __name__ == "__main__":
