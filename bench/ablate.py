@@ -48,7 +48,7 @@ METRICS = [("ttft_p90", "ttft_sim_s", "p90"), ("ttft_p50", "ttft_sim_s", "p50"),
 BASE_WORKERS = 8
 
 
-def run_one(args, name, scenario, workers, policy, tuned):
+def run_one(args, name, scenario, workers, policy, plugin):
     sc = scenarios.SCENARIOS[scenario]
     loads = [x * workers / BASE_WORKERS for x in sc["loads"][:2]]
     cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--preset", "quick", "--scenario", scenario,
@@ -56,8 +56,8 @@ def run_one(args, name, scenario, workers, policy, tuned):
            "--speeds", ",".join(f"{x:g}" for x in loads), "--set", f"workers={workers}"]
     if workers != BASE_WORKERS and sc["workload"] == "synthetic":
         cmd += ["--set", f"sessions={max(20, round(sc['sessions'] * workers / BASE_WORKERS))}"]
-    if tuned is not None:
-        cmd += ["--tuned", json.dumps({"scoring": tuned})]
+    if plugin is not None:
+        cmd += ["--tuned", json.dumps(plugin)]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
@@ -82,17 +82,25 @@ def measure(args, outdir, state):
             sys.exit(f"unknown variant {v} (one of: {', '.join(VARIANTS)})")
     for workers in [int(x) for x in args.workers.split(",")]:
         for rep in range(args.repeats):
-            # The default runs first and last in each pass, so drift over the pass shows in its spread.
-            order = ["default"] + variants + (["default"] if args.bracket else [])
-            for i, v in enumerate(order):
+            # The default runs first and last in each pass, so drift over the pass shows in its
+            # spread, and again with other router seeds: the held-out workload is the same every
+            # run, so identical runs agree almost exactly, while any change of decisions (a
+            # tie broken the other way) moves a cell's p90 by chance. The seeds' runs measure
+            # that, the noise a variant's cell has to clear.
+            order = [("default", "", None)] + [(v, "", {"scoring": VARIANTS[v]}) for v in variants]
+            if args.bracket:
+                order.append(("default", "b", None))
+            order += [("default", f"-seed{k}", {"seed": k}) for k in range(1, args.seeds + 1)]
+            for v, tag, plugin in order:
                 for scenario in args.scenario.split(","):
-                    key = f"{workers}w/{scenario}/{v}/r{rep}" + ("b" if v == "default" and i else "")
+                    label = v + (tag if tag.startswith("-") else "")
+                    key = f"{workers}w/{scenario}/{label}/r{rep}" + (tag if tag == "b" else "")
                     if key in state["runs"]:
                         continue
-                    sub = f"{args.name}/runs/{workers}w-{scenario}-{v}-r{rep}" + ("b" if v == "default" and i else "")
-                    pol, tuned = ("kvroute", None) if v == "default" else ("kvroute-tuned", VARIANTS[v])
+                    sub = f"{args.name}/runs/{workers}w-{scenario}-{label}-r{rep}" + (tag if tag == "b" else "")
+                    pol = "kvroute" if plugin is None else "kvroute-tuned"
                     print(f"ablate: {key}", flush=True)
-                    state["runs"][key] = dict(run_one(args, sub, scenario, workers, pol, tuned),
+                    state["runs"][key] = dict(run_one(args, sub, scenario, workers, pol, plugin),
                                               workers=workers, scenario=scenario, variant=v, repeat=rep)
                     with open(os.path.join(outdir, "ablation.json"), "w") as f:
                         json.dump(state, f, indent=1)
@@ -179,6 +187,8 @@ def main():
     ap.add_argument("--variants", default="all", help="comma list of: " + ",".join(VARIANTS))
     ap.add_argument("--no-bracket", dest="bracket", action="store_false",
                     help="run the default only at the start of each pass, not also at its end")
+    ap.add_argument("--seeds", type=int, default=2,
+                    help="extra default runs per pass with router seeds 1..N (the noise of changed decisions) [2]")
     ap.add_argument("--tol", type=float, default=0.05, help="relative slack beyond the default's range [0.05]")
     ap.add_argument("--hit-tol", type=float, default=0.003,
                     help="absolute slack on hit rate beyond the default's range [0.003]")
