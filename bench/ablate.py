@@ -17,6 +17,7 @@ time and every fleet sits at the same utilisation. Results: bench/results/<name>
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,8 +44,10 @@ VARIANTS = {
     "share-family": {"request_ratio_family": 0.0},
 }
 # The cells compared: (label, key in a run's record, quantile); lower is better for all but hit.
+# maxmean: the busiest worker's requests over the mean (the hot spots the share term exists for).
 METRICS = [("ttft_p90", "ttft_sim_s", "p90"), ("ttft_p50", "ttft_sim_s", "p50"),
-           ("tpot_p90", "itl_sim_s", "p90"), ("hit", "hit_rate", None)]
+           ("tpot_p90", "itl_sim_s", "p90"), ("hit", "hit_rate", None),
+           ("maxmean", "max_over_mean_requests", None), ("preempt", "preemptions", None)]
 BASE_WORKERS = 8
 
 
@@ -63,6 +66,12 @@ def run_one(args, name, scenario, workers, policy, plugin):
     if p.returncode != 0:
         print(p.stdout[-2000:], p.stderr[-2000:], file=sys.stderr)
         return {"error": f"run.py exited {p.returncode}"}
+    return {"cells": cells_of(name, scenario, policy), "wall_s": round(time.time() - t0, 1), "sub": name,
+            "policy": policy}
+
+
+def cells_of(name, scenario, policy):
+    """The METRICS of each load from a bench run's record (bench/results/<name>)."""
     with open(os.path.join(ROOT, "bench", "results", name, "results.json")) as f:
         rec = json.load(f)
     runs = rec["scenarios"][scenario]["policies"][policy]["runs"]
@@ -71,8 +80,23 @@ def run_one(args, name, scenario, workers, policy, plugin):
         if "error" in r:
             cells[load] = {"error": r["error"]}
             continue
-        cells[load] = {lab: (r[key][q] if q else r[key]) for lab, key, q in METRICS}
-    return {"cells": cells, "wall_s": round(time.time() - t0, 1)}
+        cells[load] = {lab: (r[key][q] if q else r[key]) for lab, key, q in METRICS if r.get(key) is not None}
+    return cells
+
+
+def refresh(state):
+    """Re-reads every run's cells from its record, so a metric added to METRICS covers runs
+    measured before it."""
+    for key, r in state["runs"].items():
+        if "cells" not in r:
+            continue
+        workers, scenario, label, rep = key.split("/")
+        sub = r.get("sub") or f"{state['name']}/runs/{workers}-{scenario}-{label}-{rep}"
+        pol = r.get("policy") or ("kvroute" if label == "default" else "kvroute-tuned")
+        try:
+            r["cells"] = cells_of(sub, scenario, pol)
+        except (OSError, KeyError):
+            pass
 
 
 def measure(args, outdir, state):
@@ -106,6 +130,52 @@ def measure(args, outdir, state):
                         json.dump(state, f, indent=1)
 
 
+def net_effects(state):
+    """Each variant's net effect over every cell, the cure for counting cells: per latency
+    metric the mean log ratio of its value to the defaults' median (as a factor; above 1 is
+    slower), for hit rate the mean difference. The noise it must clear: the same figure for
+    default group (first runs, bracketing runs, each router seed; each over the repeats, as a
+    variant is) against that median."""
+    cells = {}
+    for key, r in state["runs"].items():
+        for load, c in r.get("cells", {}).items():
+            if "error" in c:
+                continue
+            # A default's runs group like a variant's (the same label over repeats, across
+            # every cell), so the noise row compares like with like.
+            label = key.split("/")[2] + ("b" if key.endswith("b") else "")
+            who = ("default", label) if r["variant"] == "default" else (r["variant"], None)
+            cells.setdefault((r["workers"], r["scenario"], load), {}).setdefault(who, []).append(c)
+    per = {}
+    for by in cells.values():
+        base = [c for (v, _), cs in by.items() if v == "default" for c in cs]
+        if not base:
+            continue
+        for (v, key), cs in by.items():
+            for lab, *_ in METRICS:
+                bs, vs = [b[lab] for b in base if lab in b], [c[lab] for c in cs if lab in c]
+                if not (bs and vs):
+                    continue
+                ref, val = statistics.median(bs), statistics.median(vs)
+                if lab == "hit":
+                    d = val - ref
+                elif ref > 0 and val > 0:
+                    d = math.log(val / ref)
+                else:
+                    continue
+                per.setdefault((v, key), {}).setdefault(lab, []).append(d)
+    out = {"variants": {}, "noise": {}}
+    for (v, _key), by in per.items():
+        eff = {lab: (statistics.mean(ds) if lab == "hit" else math.exp(statistics.mean(ds))) for lab, ds in by.items()}
+        if v == "default":
+            for lab, x in eff.items():
+                lo, hi = out["noise"].get(lab, (x, x))
+                out["noise"][lab] = (min(lo, x), max(hi, x))
+        else:
+            out["variants"][v] = eff
+    return out
+
+
 def verdicts(state, tol, hit_tol):
     """Per (workers, scenario, load, metric): the default's range over its runs, each variant's
     median, and whether it is worse/better beyond the range widened by `tol` (relative; hit
@@ -116,6 +186,8 @@ def verdicts(state, tol, hit_tol):
             if "error" in c:
                 continue
             for lab, *_ in METRICS:
+                if lab not in c:
+                    continue
                 k = (r["workers"], r["scenario"], load, lab)
                 (base if r["variant"] == "default" else var.setdefault(r["variant"], {})).setdefault(k, []).append(c[lab])
     out = {}
@@ -161,6 +233,23 @@ def report(state, outdir, tol, hit_tol):
               f"{w['base_lo']:.3f}-{w['base_hi']:.3f}") if w else "-"
         lines.append(f"| {v} | `{json.dumps(VARIANTS.get(v, {}))}` | {len(worse)} / {len(rows)} | "
                      f"{len(better)} | {ws} |")
+    net = net_effects(state)
+    labs = [lab for lab, *_ in METRICS]
+    lines += ["", "## Net effect over every cell", "",
+              "Each latency: the geometric mean over cells of the variant's value over the defaults' median "
+              "(above 1: slower without the term); hit: the mean difference. The noise row is the range of "
+              "the same figure for each group of the defaults' runs (first, bracketing, each router seed), "
+              "each over the repeats as a variant is.", "",
+              "| variant | " + " | ".join(labs) + " |", "|---|" + "---:|" * len(labs)]
+
+    def fmt(lab, x):
+        return f"{x:+.4f}" if lab == "hit" else f"{x:.3f}"
+    if net["noise"]:
+        lines.append("| noise (defaults) | " + " | ".join(
+            f"{fmt(lab, net['noise'][lab][0])} .. {fmt(lab, net['noise'][lab][1])}" if lab in net["noise"] else "-"
+            for lab in labs) + " |")
+    for v, eff in net["variants"].items():
+        lines.append(f"| {v} | " + " | ".join(fmt(lab, eff[lab]) if lab in eff else "-" for lab in labs) + " |")
     lines += ["", "## Every cell", "",
               "| variant | fleet | scenario | load | metric | default range | variant | |", "|---|---|---|---|---|---|---|---|"]
     for v, rows in vd.items():
@@ -205,6 +294,7 @@ def main():
                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}}
     if not a.report_only:
         measure(a, outdir, state)
+    refresh(state)
     report(state, outdir, a.tol, a.hit_tol)
 
 
