@@ -295,6 +295,8 @@ def main():
     if not a.report_only:
         measure(a, outdir, state)
     refresh(state)
+    with open(path, "w") as f:
+        json.dump(state, f, indent=1)
     report(state, outdir, a.tol, a.hit_tol)
 
 
