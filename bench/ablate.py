@@ -111,17 +111,18 @@ def measure(args, outdir, state):
             # run, so identical runs agree almost exactly, while any change of decisions (a
             # tie broken the other way) moves a cell's p90 by chance. The seeds' runs measure
             # that, the noise a variant's cell has to clear.
-            order = [("default", "", None)] + [(v, "", {"scoring": VARIANTS[v]}) for v in variants]
+            # (variant, label in the run's key, suffix after the repeat, plugin settings)
+            order = [("default", "default", "", None)]
+            order += [(v, v, "", {"scoring": VARIANTS[v]}) for v in variants]
             if args.bracket:
-                order.append(("default", "b", None))
-            order += [("default", f"-seed{k}", {"seed": k}) for k in range(1, args.seeds + 1)]
-            for v, tag, plugin in order:
+                order.append(("default", "default", "b", None))
+            order += [("default", f"default-seed{k}", "", {"seed": k}) for k in range(1, args.seeds + 1)]
+            for v, label, suffix, plugin in order:
                 for scenario in args.scenario.split(","):
-                    label = v + (tag if tag.startswith("-") else "")
-                    key = f"{workers}w/{scenario}/{label}/r{rep}" + (tag if tag == "b" else "")
+                    key = f"{workers}w/{scenario}/{label}/r{rep}{suffix}"
                     if key in state["runs"]:
                         continue
-                    sub = f"{args.name}/runs/{workers}w-{scenario}-{label}-r{rep}" + (tag if tag == "b" else "")
+                    sub = f"{args.name}/runs/{workers}w-{scenario}-{label}-r{rep}{suffix}"
                     pol = "kvroute" if plugin is None else "kvroute-tuned"
                     print(f"ablate: {key}", flush=True)
                     state["runs"][key] = dict(run_one(args, sub, scenario, workers, pol, plugin),
@@ -134,7 +135,7 @@ def net_effects(state):
     """Each variant's net effect over every cell, the cure for counting cells: per latency
     metric the mean log ratio of its value to the defaults' median (as a factor; above 1 is
     slower), for hit rate the mean difference. The noise it must clear: the same figure for
-    default group (first runs, bracketing runs, each router seed; each over the repeats, as a
+    each default group (first runs, bracketing runs, each router seed; each over the repeats, as a
     variant is) against that median."""
     cells = {}
     for key, r in state["runs"].items():
@@ -216,7 +217,7 @@ def report(state, outdir, tol, hit_tol):
              f"Command: `{state['command']}`  ",
              f"Started {state['date']}; held-out split; quick preset loads (scaled by workers / 8).  ",
              "Each variant switches one term off (`kvroute-tuned`); the default (`kvroute`) runs at the "
-             "start and end of every pass. A cell is **worse** or **better** when the variant's median is "
+             "start and end of every pass and with router seeds 1..N. A cell is **worse** or **better** when the variant's median is "
              f"outside the default's range over its runs widened by {tol:.0%} (hit rate: {hit_tol:.3f} absolute). "
              "TTFT and TPOT in simulated seconds.", "",
              "| variant | settings | cells worse | cells better | worst cell (variant vs default range) |",
