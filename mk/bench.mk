@@ -110,3 +110,13 @@ bench-signals: bench-deps
 .PHONY: bench-vllm
 bench-vllm: vllm bench-deps relay
 	$(BENCH_PY) bench/vllm.py $(BENCH_ARGS)
+
+# Precise mode against predicted mode (bench/precise.py, issue 42): every scenario on 8 and 4
+# workers (no worse beyond the A/A band), and docqa where predictions fail (traffic that
+# bypasses the gateway, caches reset, a wrong kv_blocks, two gateways that do not share), two
+# router seeds each, held-out. No peer routers needed. Results: bench/results/precise/.
+.PHONY: bench-precise
+bench-precise: venv $(BENCH_VENV)/.installed relay
+	cargo build --release -p mock-worker -p loadgen
+	@$(MAKE) --no-print-directory wasm
+	$(BENCH_PY) bench/precise.py --name precise $(BENCH_ARGS)

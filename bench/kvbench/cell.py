@@ -24,11 +24,20 @@ from kvbench.stats import fmt, merged, precise_text, sharing_text, stat
 
 def start_bypass(cfg, ws, speed, cell):
     """The `bypass` client: loadgen with the scenario's workload on another seed, `bypass` x
-    its sessions and rate, aimed at the first decode worker directly (None when off)."""
+    its sessions and rate, sent past the router: to the first decode worker (`bypass_target`
+    one) or round-robin over all of them through a plain Envoy (all, as a Kubernetes Service
+    would). Returns (its loadgen or None when off, the processes it needs beside it)."""
     share = cfg.get("bypass")
     if not share or cfg["workload"] != "synthetic":
-        return None
+        return None, []
     args = workload_args(cfg, speed)
+    corpus, target = cfg.get("bypass_corpus", "own"), cfg.get("bypass_target", "one")
+    if corpus not in ("own", "same"):
+        raise ValueError(f"bypass_corpus {corpus!r}: own or same")
+    if target not in ("one", "all"):
+        raise ValueError(f"bypass_target {target!r}: one or all")
+    if corpus == "same":
+        args += ["--corpus-seed", str(cfg["seed"])]
     for flag, f in (("--seed", lambda v: str(int(v) + 1000)), ("--sessions", lambda v: str(max(1, round(int(v) * share)))),
                     ("--rate", lambda v: f"{float(v) * share:g}")):
         if flag in args:
@@ -36,10 +45,14 @@ def start_bypass(cfg, ws, speed, cell):
             args[i] = f(args[i])
     out = os.path.join(cell, "bypass")
     os.makedirs(out, exist_ok=True)
+    side, url = [], decode_workers(ws)[0]["url"]
+    if target == "all":
+        p, url = start_front(cfg, [w["url"] for w in decode_workers(ws)], out)
+        side.append(p)
     lg = [paths.LOADGEN] + args + ["--max-output", str(cfg["max_output"]), "--sim-speedup", str(cfg["speedup"]),
                                    "--model", paths.MODEL, "--fleet-size", "1", "--warmup", "0", "--label", "bypass",
-                                   "--out", out, "--timeout-s", "300", "--target", decode_workers(ws)[0]["url"]]
-    return subprocess.Popen(lg, stdout=open(os.path.join(out, "loadgen.log"), "wb"), stderr=subprocess.STDOUT)
+                                   "--out", out, "--timeout-s", "300", "--target", url]
+    return subprocess.Popen(lg, stdout=open(os.path.join(out, "loadgen.log"), "wb"), stderr=subprocess.STDOUT), side
 
 
 def check_precise(policy, p):
@@ -144,7 +157,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                    "--oracle-prefill-scale", str(cfg["oracle_prefill_scale"]),
                    "--oracle-held-weight", str(cfg["oracle_held_weight"])]
         else:
-            urls = []
+            urls, relays = [], []
             for i in range(n_gw):
                 gdir = cell if n_gw == 1 else os.path.join(cell, f"gw{i}")
                 os.makedirs(gdir, exist_ok=True)
@@ -154,6 +167,7 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                     if use_relay:
                         rp, relay_port, rm = start_relay(cfg, ws if events else [], gdir, nats)
                         procs.append(rp)
+                        relays.append(rp)
                         relay_urls.append(rm)
                     if n_gw > 1 and use_relay:
                         # The relay key (the precise one is its alias) with the sharing switch.
@@ -164,6 +178,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
                 admins += [admin] if admin else []
                 check_routes(url, procs, policy, admins[-1:] if pol.router == "kvroute" else ())
                 urls.append(url)
+            if relays:
+                cpu_parts["relay"] = relays  # part of the router's CPU, shown apart too
             url = urls[0]
             if n_gw > 1:
                 p, url = start_front(cfg, urls, cell)
@@ -188,9 +204,8 @@ def run_cell(cfg, policy, speed, rawdir, rep=0, oracle=None):
         cpu0 = (proc_cpu_s(router_procs), proc_cpu_s(fleet_procs))
         parts0 = {k: proc_cpu_s(v) for k, v in cpu_parts.items()}
         reset_timer, resets = start_resets(cfg, ws)
-        bypass = start_bypass(cfg, ws, speed, cell)
-        if bypass is not None:
-            procs.append(bypass)
+        bypass, side = start_bypass(cfg, ws, speed, cell)
+        procs += side + ([bypass] if bypass is not None else [])
         with open(os.path.join(cell, "loadgen.log"), "wb") as f:
             if use_relay:
                 # The streams' liveness sampled through the run, the least live gateway's (a

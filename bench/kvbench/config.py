@@ -84,9 +84,22 @@ COMMON = dict(
     # /reset_prefix_cache to the first half of the answering workers (an engine restart's or
     # an operator's cache reset, which no response tells the router). None: off.
     reset_at_s=None,
-    # Issue 42: another client sends this share of the load (its own sessions and documents,
-    # another seed) straight to the first decode worker, bypassing the router. None: off.
+    # Issue 42: another client sends this share of the load (its own sessions, another seed)
+    # straight to the workers (bypass_target), past the router. None: off. bypass_corpus:
+    # "own" (its own system prompts and documents: it only evicts) or "same" (the gateway's
+    # corpus: another application on the same documents, whose cache the router could use).
     bypass=None,
+    bypass_corpus="own",
+    # Where the bypass goes: "one" (the first decode worker) or "all" (round-robin over every
+    # decode worker, as a Kubernetes Service in front of the pods would).
+    bypass_target="one",
+    # Issue 42: the workers' real KV capacity in blocks when it differs from the kv_blocks
+    # kvroute is configured with (a wrong or stale setting). None: the same.
+    engine_kv_blocks=None,
+    # kvroute's metrics poller (plugin `metrics.poll_ms`, each worker scraped through a cluster
+    # of its own): the engines' own queue and KV usage, whoever sent their load. None: off
+    # (kvroute's own bookkeeping; the mock sends no ORCA report on streams, as vLLM).
+    metrics_poll_ms=None,
     tuned={"scoring": {"prefill_load_scale": 8.0}},
     oracle_prefill_scale=1.0,
     oracle_held_weight=0.02,
@@ -126,7 +139,7 @@ def overhead_cells():
 def mock_args(cfg, kv_blocks=None):
     """mock-worker flags for the fleet's capacity and behaviour."""
     argv = ["--preset", cfg["mock_preset"]]
-    caps = dict(kv_blocks=kv_blocks or cfg["kv_blocks"], block_size=cfg["block_size"],
+    caps = dict(kv_blocks=kv_blocks or cfg.get("engine_kv_blocks") or cfg["kv_blocks"], block_size=cfg["block_size"],
                 max_num_seqs=cfg["max_num_seqs"], max_batched_tokens=cfg["max_batched_tokens"])
     for k, v in caps.items():
         if v is not None:

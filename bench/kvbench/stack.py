@@ -22,8 +22,10 @@ from kvbench.stats import stat
 
 def resolve_capacity(cfg, logdir):
     """Fills kv_blocks and block_size from what one mock worker with these flags reports
-    (vllm:cache_config_info), so kvroute's config and the tables match the preset."""
-    ws = start_fleet(cfg, logdir, n=1)
+    (vllm:cache_config_info), so kvroute's config and the tables match the preset (the
+    configured capacity: `engine_kv_blocks`, the workers' real one when it differs, is not
+    what the router is told)."""
+    ws = start_fleet(dict(cfg, engine_kv_blocks=None), logdir, n=1)
     try:
         _, _, b = http("GET", ws[0]["url"] + "/metrics")
         for line in b.decode().splitlines():
@@ -72,6 +74,8 @@ def kvroute_config(cfg, ws, extra):
     # costs as route_costs in requests.jsonl.
     # kvroute_extra: the scenario's plugin settings (e.g. `lora` for the adapters it serves).
     extra = {"debug_headers": bool(cfg.get("kvroute_debug")), **cfg.get("kvroute_extra", {}), **(extra or {})}
+    if cfg.get("metrics_poll_ms"):
+        extra["metrics"] = {"poll_ms": int(cfg["metrics_poll_ms"]), "cluster_suffix": "-metrics"}
     return envoyconf.bench_plugin(upstreams(cfg, ws), cfg["block_size"], extra)
 
 
@@ -163,6 +167,10 @@ def start_envoy(cfg, policy, ws, logdir, kv_extra=None, relay_port=None):
         site = dataclasses.replace(site, fallback_pool=True)
     if relay_port:
         site = dataclasses.replace(site, relay=("127.0.0.1", relay_port))
+    if pol.router == "kvroute" and (conf.get("metrics") or {}).get("cluster_suffix") == "-metrics":
+        # The metrics poller (`--set metrics_poll_ms=500`) scrapes each worker through a
+        # cluster of that worker alone.
+        site = dataclasses.replace(site, metrics_clusters=True)
     doc = envoyconf.bootstrap(site, upstreams(cfg, ws), conf, pol.lb or "ROUND_ROBIN")
     if pol.router == "steer":
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]

@@ -45,6 +45,8 @@ run mode:
                             think time / F) [1]
   --max-output N            cap max_tokens (0 = none) [0]
   --seed N                  text and sampling seed [1]
+  --corpus-seed N           synthetic: seed of the system prompts and documents only [--seed]
+                            (a second client on the same corpus with its own sessions)
   --api completions|chat    [completions for mooncake, chat for synthetic]
   --model NAME              model field (omitted when empty) []
   --adapters N              each conversation (synthetic: session; mooncake: --session-block
@@ -116,6 +118,7 @@ pub struct Args {
     pub speed: f64,
     pub max_output: u64,
     pub seed: u64,
+    pub corpus_seed: Option<u64>,
     pub api: Option<Api>,
     pub model: String,
     pub adapters: usize,
@@ -168,6 +171,7 @@ fn parse_args() -> Result<Args, String> {
         speed: 1.0,
         max_output: 0,
         seed: 1,
+        corpus_seed: None,
         api: None,
         model: String::new(),
         adapters: 0,
@@ -236,6 +240,7 @@ fn parse_args() -> Result<Args, String> {
             "--speed" => a.speed = num!(),
             "--max-output" => a.max_output = num!(),
             "--seed" => a.seed = num!(),
+            "--corpus-seed" => a.corpus_seed = Some(num!()),
             "--adapters" => a.adapters = num!(),
             "--adapter-zipf" => a.adapter_zipf = num!(),
             "--api" => {

@@ -361,6 +361,9 @@ pub struct Synthetic {
     doc_fraction: f64,
     max_tokens: u64,
     seed: u64,
+    /// Seeds the shared texts (system prompts, documents); `seed` the sessions. Another client
+    /// on the same corpus runs with this equal and `seed` different.
+    corpus_seed: u64,
     api: Api,
     model: String,
     adapters: AdapterPick,
@@ -389,6 +392,7 @@ impl Synthetic {
             doc_fraction: a.doc_fraction,
             max_tokens: max_tokens.max(1),
             seed: a.seed,
+            corpus_seed: a.corpus_seed.unwrap_or(a.seed),
             api: a.api.unwrap_or(Api::Chat),
             model: a.model.clone(),
             adapters: AdapterPick::new(a),
@@ -408,7 +412,7 @@ impl Synthetic {
         let mut user = String::new();
         if let (Some(doc), 0) = (doc, turn) {
             user.push_str("Document:");
-            user.push_str(&self.words(&[self.seed, 2, doc as u64], self.doc_tokens));
+            user.push_str(&self.words(&[self.corpus_seed, 2, doc as u64], self.doc_tokens));
             user.push_str("\nQuestion:");
         }
         if let Some((lo, hi)) = self.tool_tokens.filter(|_| turn > 0) {
@@ -433,7 +437,7 @@ impl Synthetic {
         if self.system_tokens > 0 {
             let t = format!(
                 "System:{}",
-                self.words(&[self.seed, 1, sys as u64], self.system_tokens)
+                self.words(&[self.corpus_seed, 1, sys as u64], self.system_tokens)
             );
             flat.push_str(&t);
             msgs.push(json!({"role": "system", "content": t}));
@@ -634,6 +638,7 @@ mod tests {
             doc_fraction: 0.0,
             max_tokens: 1,
             seed: 7,
+            corpus_seed: 7,
             api: Api::Chat,
             model: String::new(),
             adapters: AdapterPick {
@@ -673,5 +678,27 @@ mod tests {
             w.user_message(3, 2, None, &mut a),
             w.user_message(3, 2, None, &mut b)
         );
+    }
+
+    #[test]
+    fn corpus_seed_shares_documents_not_questions() {
+        let doc = |seed, corpus_seed| Synthetic {
+            n_docs: 4,
+            doc_tokens: 300,
+            seed,
+            corpus_seed,
+            ..synthetic(None)
+        };
+        let (a, b, c) = (doc(7, 7), doc(8, 7), doc(8, 8));
+        let mut st = 1;
+        let (ma, mb, mc) = (
+            a.user_message(0, 0, Some(2), &mut st),
+            b.user_message(0, 0, Some(2), &mut st),
+            c.user_message(0, 0, Some(2), &mut st),
+        );
+        let document = |m: &str| m.split("\nQuestion:").next().unwrap_or("").to_string();
+        assert_eq!(document(&ma), document(&mb));
+        assert_ne!(document(&mb), document(&mc));
+        assert_ne!(ma, mb, "the sessions' own text follows --seed");
     }
 }
