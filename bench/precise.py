@@ -14,10 +14,10 @@ Cases:
   time). Target: precise TTFT p50 and p90 no worse than
   predicted beyond the A/A band (the 90th percentile, over these cells, of the relative gap
   between a policy's two seeds).
-- where predictions fail (docqa, 8 workers, load 24): `bypass-one` (another client sends half
-  the load, its own documents, straight to one worker), `bypass-all` (another application on
-  the gateway's documents sends half the load round-robin over the workers, as through a
-  Kubernetes Service); both with kvroute's metrics poller on (`metrics.poll_ms` 500), the load
+- where predictions fail (docqa, 8 workers, load 24): `bypass-one` (another client sends a
+  third of the load, its own documents, straight to one worker), `bypass-all` (another
+  application on the gateway's documents sends a third of the load round-robin over the
+  workers, as through a Kubernetes Service); both with kvroute's metrics poller on (`metrics.poll_ms` 500), the load
   signal kvroute needs for traffic it did not send (docs/operations.md); `reset` (half the workers'
   prefix caches reset 4 s in, as an engine restart or an operator would), `capacity` (the
   workers hold half the kv_blocks kvroute is configured with), `two-gateways` (two gateways
@@ -44,11 +44,16 @@ import scenarios  # noqa: E402
 
 BASE_WORKERS = 8
 PAIR = ("kvroute", "kvroute-precise")
-# The failure cases: run.py's --set values, and the policies when not PAIR.
+# A bypass case's gateway load, so that with the bypass (half the gateway's) the fleet's total
+# is the scenario's middle load, as in every other case: a third of it bypasses the gateway.
+BYPASS_LOAD_SCALE = 2 / 3
+# The failure cases: run.py's --set values, the policies when not PAIR, the load's scale.
 FAILURES = {
-    "bypass-one": dict(set={"bypass": 0.5, "metrics_poll_ms": 500}),
-    "bypass-all": dict(set={"bypass": 0.5, "bypass_corpus": "same", "bypass_target": "all", "metrics_poll_ms": 500}),
-    "reset": dict(set={"reset_at_s": 4}),
+    "bypass-one": dict(set={"bypass": 0.5, "metrics_poll_ms": 500}, load_scale=BYPASS_LOAD_SCALE),
+    "bypass-all": dict(set={"bypass": 0.5, "bypass_corpus": "same", "bypass_target": "all", "metrics_poll_ms": 500},
+                       load_scale=BYPASS_LOAD_SCALE),
+    # The engines report cached tokens per request, for the hit rate around the reset.
+    "reset": dict(set={"reset_at_s": 4, "mock_flags": "--enable-prompt-tokens-details"}),
     "capacity": dict(set={"engine_kv_blocks": scenarios.SMALL_KV // 2}),
     "two-gateways": dict(set={}, replicas=2, policies=("kvroute-noshare", "kvroute-precise-noshare")),
 }
@@ -72,7 +77,7 @@ def cases(which):
             out[f"{sc}-{w}w"] = dict(kind="no-worse", scenario=sc, workers=w, set={}, replicas=1, policies=PAIR)
     for name, c in FAILURES.items():
         out[name] = dict(kind="failure", scenario=FAIL_SCENARIO, workers=BASE_WORKERS, replicas=c.get("replicas", 1),
-                         set=c["set"], policies=c.get("policies", PAIR))
+                         set=c["set"], policies=c.get("policies", PAIR), load_scale=c.get("load_scale", 1))
     if which == "all":
         return out
     names = which.split(",")
@@ -85,7 +90,7 @@ def cases(which):
 def run_one(name, sub, case, seed):
     sc = scenarios.SCENARIOS[case["scenario"]]
     w = case["workers"]
-    load = sc["loads"][1] * w / BASE_WORKERS
+    load = sc["loads"][1] * w / BASE_WORKERS * case.get("load_scale", 1)
     sets = dict(case["set"], workers=w, kvroute_extra={"seed": seed})
     if w != BASE_WORKERS and sc["workload"] == "synthetic":
         sets["sessions"] = max(20, round(sc["sessions"] * w / BASE_WORKERS))

@@ -25,7 +25,14 @@ impl Router {
     }
 
     /// Drops a confirmed pick once the index (the engine's reports) holds its whole prompt
-    /// on every worker it went to; true when dropped.
+    /// on every worker it went to; true when dropped. A pick routed on text then also enters
+    /// the index under its text blocks, as in predicted mode: the engine's later removals
+    /// (token blocks) leave that placement, so a prompt the engine evicted still finds the
+    /// worker it was placed on instead of looking cold everywhere. Placing evicted documents
+    /// by load alone spread them over more workers (docqa with engines holding half the
+    /// configured kv_blocks: 1.17-1.20 workers per document against 1.01, hit 0.660-0.678
+    /// against predicted mode's 0.686, issue 42), and each worker's cache then churned
+    /// through more of them. A reset (`EngineCleared`) still drops everything at once.
     pub(super) fn engine_reported(&mut self, id: RequestId, now_ms: u64) -> bool {
         let Some(p) = self.speculative.get(id) else {
             return true;
@@ -53,7 +60,13 @@ impl Router {
             .chain(p.prefill)
             .all(|w| held.get(usize::from(w)).is_some_and(|&n| n >= 1));
         if done {
-            self.speculative.take(id);
+            if let Some(p) = self.speculative.take(id) {
+                if tr.is_some() {
+                    for w in core::iter::once(p.worker).chain(p.prefill) {
+                        self.index.insert(w, &p.hashes, now_ms);
+                    }
+                }
+            }
         }
         done
     }
@@ -168,8 +181,8 @@ mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    #[test]
-    fn engine_fed_workers_trust_engine_events_over_their_own_picks() {
+    /// A router whose first four workers are engine-fed, with disaggregation off.
+    fn fed_router() -> Router {
         let mut r = Router::new(cfg(r#","disaggregation":{"threshold_tokens":0}"#), 1, 3);
         for w in 0..4 {
             r.apply(
@@ -180,6 +193,12 @@ mod tests {
                 0,
             );
         }
+        r
+    }
+
+    #[test]
+    fn engine_fed_workers_trust_engine_events_over_their_own_picks() {
+        let mut r = fed_router();
         assert!(r.engine_fed(2) && !r.engine_fed(4));
         let text = doc(6, 8000);
         let d = routed(r.route(ApiKind::Completions, &completion(&text), 5));
@@ -272,5 +291,52 @@ mod tests {
         let fifth = routed(r.route(ApiKind::Completions, &completion(&text), 11_500));
         assert_eq!(fifth.decode, holder);
         assert!(fifth.overlap_tokens > 0);
+    }
+
+    #[test]
+    fn a_reported_text_pick_keeps_its_placement_after_the_engine_evicts_it() {
+        let mut r = fed_router();
+        let text = doc(7, 8000);
+        let first = routed(r.route(ApiKind::Completions, &completion(&text), 5));
+        let n = first.hashes().len() as u32;
+        let toks: Vec<u64> = (0..u64::from(n)).map(|i| 0xdef0_0000 + i).collect();
+        let (t, k) = Twins::pairs(first.hashes(), &toks);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 6);
+        r.on_first_byte(&first, true, 10);
+        let home = first.decode;
+        // The engine reports the prompt: the pick leaves the speculative entries.
+        r.apply(
+            &Event::EngineStored {
+                worker: home,
+                hashes: toks.clone(),
+            },
+            20,
+        );
+        r.on_finish(&first, 30);
+        assert_eq!(r.speculative_requests(), 0);
+        // It evicts it: no engine block is left, yet the worker the text was placed on
+        // still holds it in the index, as predicted mode would have it.
+        r.apply(
+            &Event::EngineRemoved {
+                worker: home,
+                hashes: toks.clone(),
+            },
+            40,
+        );
+        let mut held = vec![0u32; 6];
+        r.held_blocks(first.hashes(), 50, &mut held);
+        assert_eq!(held[usize::from(home)], n);
+        assert_eq!(held.iter().filter(|&&b| b > 0).count(), 1);
+        let again = routed(r.route(ApiKind::Completions, &completion(&text), 60));
+        assert_eq!(
+            again.decode, home,
+            "the evicted document goes back to its worker"
+        );
+        r.on_first_byte(&again, true, 61);
+        r.on_finish(&again, 62);
+        // A reset is the engine's word for everything it held: the placement goes too.
+        r.apply(&Event::EngineCleared { worker: home }, 70);
+        r.held_blocks(first.hashes(), 80, &mut held);
+        assert_eq!(held[usize::from(home)], 0);
     }
 }
