@@ -2,10 +2,10 @@
 
 Runs bench/run.py on the held-out split, `kvroute` (predicted) beside `kvroute-precise` (the
 engines' KV events through kvroute-relay, the tokenize call beside the request) on one fresh
-fleet per cell, each case with two router seeds (plugin `seed` 0 and 1: the held-out workload
+fleet per cell, each case with three router seeds (plugin `seed` 0, 1, 2: the held-out workload
 is the same every run, so the seed is what moves a run's tie-breaks; its spread is the A/A noise).
 
-    build/bench-venv/bin/python bench/precise.py --name precise [--cases all] [--seeds 2]
+    build/bench-venv/bin/python bench/precise.py --name precise [--cases all] [--seeds 3]
     build/bench-venv/bin/python bench/precise.py --name precise --report-only
 
 Cases:
@@ -13,7 +13,7 @@ Cases:
   by 4/8, a synthetic scenario's sessions or a trace's requests too, so a run keeps its wall
   time). Target: precise TTFT p50 and p90 no worse than
   predicted beyond the A/A band (the 90th percentile, over these cells, of the relative gap
-  between a policy's two seeds).
+  between a policy's highest and lowest seed).
 - where predictions fail (docqa, 8 workers, load 24): `bypass-one` (another client sends a
   third of the load, its own documents, straight to one worker), `bypass-all` (another
   application on the gateway's documents sends a third of the load round-robin over the
@@ -144,6 +144,9 @@ def cells_of(sub, case):
                 c[lab] = hist_mean(pr.get("envoy") or {}, name)
         if r.get("resets"):
             c["recovery"] = recovery(sub, case, label(pol, case), r)
+        spread = doc_spread(sub, case, label(pol, case), r)
+        if spread is not None:
+            c["workers_per_doc"] = spread
         out[("predicted", "precise")[i]] = c
     return out
 
@@ -153,26 +156,42 @@ def hist_mean(stats, name):
     return round(tot[0] / tot[1], 1) if tot[1] else None
 
 
+def requests_of(sub, case, lab, run):
+    path = os.path.join(ROOT, "bench", "results", sub, "raw", case["scenario"], lab, f"load{run['load']:g}",
+                        "requests.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def doc_spread(sub, case, lab, run):
+    """Distinct workers each document's first turns went to, mean over documents (docqa): how
+    well a router keeps a document on one worker's cache."""
+    by = {}
+    for q in requests_of(sub, case, lab, run):
+        if q.get("doc") is not None and q.get("turn") == 0 and q.get("worker"):
+            by.setdefault(q["doc"], set()).add(q["worker"])
+    return round(statistics.mean(len(v) for v in by.values()), 3) if by else None
+
+
 def recovery(sub, case, lab, run):
     """Hit rate (cached over prompt tokens, loadgen's usage) of the requests sent in each
     RECOVERY_WINDOWS window around the reset."""
     at = min((x["at_unix"] for x in run["resets"] if "at_unix" in x), default=None)
-    path = os.path.join(ROOT, "bench", "results", sub, "raw", case["scenario"], lab, f"load{run['load']:g}",
-                        "requests.jsonl")
-    if at is None or not os.path.exists(path):
+    reqs = requests_of(sub, case, lab, run)
+    if at is None or not reqs:
         return None
     win = {f"{a}..{b}": [0, 0] for a, b in RECOVERY_WINDOWS}
-    with open(path) as f:
-        for line in f:
-            q = json.loads(line)
-            t = q.get("sent_unix")
-            if t is None or not q.get("prompt_tokens"):
-                continue
-            for a, b in RECOVERY_WINDOWS:
-                if at + a <= t < at + b:
-                    w = win[f"{a}..{b}"]
-                    w[0] += q.get("cached_tokens") or 0
-                    w[1] += q["prompt_tokens"]
+    for q in reqs:
+        t = q.get("sent_unix")
+        if t is None or not q.get("prompt_tokens"):
+            continue
+        for a, b in RECOVERY_WINDOWS:
+            if at + a <= t < at + b:
+                w = win[f"{a}..{b}"]
+                w[0] += q.get("cached_tokens") or 0
+                w[1] += q["prompt_tokens"]
     return {k: (round(c / n, 3) if n else None) for k, (c, n) in win.items()}
 
 
@@ -191,7 +210,7 @@ def seed_means(state, name):
 
 def band(state, allc):
     """The A/A band per metric: the 90th percentile of a policy's relative gap between its
-    seeds (hit: the absolute gap), over the no-worse cases and both policies."""
+    highest and lowest seed (hit: the absolute gap), over the no-worse cases and both policies."""
     gaps = {}
     for name, case in allc.items():
         if case["kind"] != "no-worse":
@@ -275,9 +294,11 @@ def fmt(x, d=3):
 def report(state, allc):
     b, rows = verdicts(state, allc)
     lines = ["# Precise mode against predicted mode (issue 42)", "",
-             f"Command: `{state.get('command', '')}`; held-out split, router seeds 0..{state.get('seeds', 2) - 1} "
+             f"Command: `{state.get('command', '')}`, started {state.get('started', '?')} on commit "
+             f"{state.get('commit', '?')}; held-out split, router seeds 0..{state.get('seeds', 2) - 1} "
              "per case, each cell one run of both modes on its own fresh fleet; values are the mean over the seeds.", "",
-             "A/A band (90th percentile of the gap between one policy's two seeds over the no-worse cases): "
+             "A/A band (90th percentile, over the no-worse cases and both modes, of the gap between "
+             "one mode's highest and lowest seed): "
              + ", ".join(f"{lab} {'+' if lab == 'hit' else ''}{v:.3f}" if lab == "hit" else f"{lab} {v:.1%}"
                          for lab, v in sorted(b.items())), "",
              "| case | TTFT p50 predicted / precise (s) | TTFT p90 predicted / precise (s) | p50 / p90 ratio | "
@@ -296,6 +317,19 @@ def report(state, allc):
                      f"{fmt(Q['ttft_p90'])} | {ra.get('ttft_p50', 0):.2f} / {ra.get('ttft_p90', 0):.2f} | "
                      f"{fmt(P['hit'])} / {fmt(Q['hit'])} | {target} | {r['status']} |")
     lines += ["", f"{met} met, {missed} missed.", ""]
+    spread = []
+    for name in allc:
+        by = {}
+        for key, r in state["runs"].items():
+            if key.split("/")[0] == name:
+                for mode, c in (r.get("cells") or {}).items():
+                    if c.get("workers_per_doc") is not None:
+                        by.setdefault(mode, []).append(c["workers_per_doc"])
+        if by.get("predicted") and by.get("precise"):
+            spread.append(f"{name} {statistics.mean(by['predicted']):.2f} / {statistics.mean(by['precise']):.2f}")
+    if spread:
+        lines += ["Workers each document's first turns went to, mean (predicted / precise): " + "; ".join(spread) + ".",
+                  ""]
     for r in rows:
         if r.get("recovery"):
             lines.append(f"Around the reset ({r['case']}), hit rate of the requests sent in each wall-second "
@@ -327,8 +361,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--name", default="precise")
     ap.add_argument("--cases", default="all", help="all, no-worse, failure or a comma list of case names")
-    ap.add_argument("--seeds", type=int, default=2, help="router seeds per case (0..N-1)")
+    ap.add_argument("--seeds", type=int, default=3, help="router seeds per case (0..N-1)")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--refresh", action="store_true", help="with --report-only: re-read the cells from runs/")
     a = ap.parse_args()
     outdir = os.path.join(ROOT, "bench", "results", a.name)
     os.makedirs(outdir, exist_ok=True)
@@ -338,6 +373,13 @@ def main():
         with open(path) as f:
             state = json.load(f)
     allc = cases("all")
+    if a.report_only and a.refresh:
+        # Re-read every cell from its bench run's record and raw requests (where still here).
+        for key, r in state["runs"].items():
+            name, seed = key.split("/")
+            sub = f"{a.name}/runs/{name}-{seed}"
+            if "cells" in r and name in allc and os.path.exists(os.path.join(ROOT, "bench", "results", sub)):
+                r["cells"] = cells_of(sub, allc[name])
     if not a.report_only:
         state["command"] = " ".join(["bench/precise.py"] + sys.argv[1:])
         state["seeds"] = a.seeds

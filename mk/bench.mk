@@ -113,7 +113,7 @@ bench-vllm: vllm bench-deps relay
 
 # Precise mode against predicted mode (bench/precise.py, issue 42): every scenario on 8 and 4
 # workers (no worse beyond the A/A band), and docqa where predictions fail (traffic that
-# bypasses the gateway, caches reset, a wrong kv_blocks, two gateways that do not share), two
+# bypasses the gateway, caches reset, a wrong kv_blocks, two gateways that do not share), three
 # router seeds each, held-out. No peer routers needed. Results: bench/results/precise/.
 .PHONY: bench-precise
 bench-precise: venv $(BENCH_VENV)/.installed relay
