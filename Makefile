@@ -29,6 +29,7 @@ help:
 	@echo "make run/stop   the demo stack in the background (Envoy :10000, admin :9901)"
 	@echo "make bench      the benchmark suite (bench-quick: a short version)"
 	@echo "make bench-core native benchmark of the routing core"
+	@echo "make bench-precise precise against predicted mode, every scenario and where predictions fail"
 	@echo "make overhead   what the filter adds per request, against the ext_proc floor (about two minutes)"
 	@echo "make lint       rustfmt, clippy (no-panic lints on the filter), ruff"
 	@echo "make generate   rewrite the generated Envoy configs (scripts/envoyconf.py)"
