@@ -41,6 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import scenarios  # noqa: E402
+from kvbench.stats import fmt, hist_quantiles  # noqa: E402
 
 BASE_WORKERS = 8
 PAIR = ("kvroute", "kvroute-precise")
@@ -152,8 +153,8 @@ def cells_of(sub, case):
 
 
 def hist_mean(stats, name):
-    tot = [sum(v for k, v in stats.items() if k.split("{")[0] == name + suffix) for suffix in ("_sum", "_count")]
-    return round(tot[0] / tot[1], 1) if tot[1] else None
+    h = hist_quantiles(stats, name)
+    return round(h["mean"], 1) if h and h["mean"] is not None else None
 
 
 def requests_of(sub, case, lab, run):
@@ -285,10 +286,6 @@ def costs(state):
     tok = [(c.get("tokenize_ok") or 0, c.get("tokenize_failed") or 0)
            for r in state["runs"].values() for m, c in (r.get("cells") or {}).items() if m == "precise"]
     return out, tok
-
-
-def fmt(x, d=3):
-    return "-" if x is None else f"{x:.{d}f}"
 
 
 def report(state, allc):

@@ -30,9 +30,9 @@ impl Router {
     /// (token blocks) leave that placement, so a prompt the engine evicted still finds the
     /// worker it was placed on instead of looking cold everywhere. Placing evicted documents
     /// by load alone spread them over more workers (docqa with engines holding half the
-    /// configured kv_blocks: 1.17-1.20 workers per document against 1.01, hit 0.660-0.678
-    /// against predicted mode's 0.686, issue 42), and each worker's cache then churned
-    /// through more of them. A reset (`EngineCleared`) still drops everything at once.
+    /// configured kv_blocks: 1.19 workers per document against 1.01, hit 0.669 against
+    /// predicted mode's 0.685, bench/results/precise-before, issue 42), and each worker's
+    /// cache then churned through more of them. A reset (`EngineCleared`) still drops everything at once.
     pub(super) fn engine_reported(&mut self, id: RequestId, now_ms: u64) -> bool {
         let Some(p) = self.speculative.get(id) else {
             return true;
