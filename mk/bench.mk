@@ -3,7 +3,8 @@
 # router in its event and approximate modes, the oracle envelope) on every scenario
 # (bench/scenarios.py) at three loads, held-out split, bisects goodput at the 2 s SLO (kvroute
 # and the best peer) with 2 runs per deciding load, plus the proxy-overhead test
-# (<= 40 min on 2 cores, estimated); `make bench-scenarios` (= `make bench-quick`) runs the
+# (about 70 min on 2 cores: 55.6 min measured before synthetic-trace, burst and agentic ran
+# Dynamo and vllm-router kv_aware too, which took 17 min more on their own); `make bench-scenarios` (= `make bench-quick`) runs the
 # production-like synthetic scenarios for kvroute and the main baselines at two loads, goodput
 # read off the sweep (<= 8 min); `make bench-signals`
 # compares router signals (real vLLM defaults against the old mock flags); `make test-peers`
