@@ -32,7 +32,8 @@ SWEEP_ONLY_POLICIES = ["kvroute", "sglang-cache-aware", "vllm-router-cache-aware
 # Agentic has no round-robin target (the 3x is on shared-context and docqa) and its runs are the
 # longest (about 19 s each): without round-robin make bench has room for synthetic-trace's
 # third load. The oracle stays (the issue asks for its envelope on every scenario).
-NO_ROUND_ROBIN = ["kvroute", "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"] + ISSUE_43_PEERS
+NO_ROUND_ROBIN = (["kvroute", "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
+                  + ISSUE_43_PEERS)
 
 # window_s (synthetic): above the sweep's top load a run sends load x window_s sessions instead
 # of the fixed count, so sessions keep arriving for as long as they did at the top load. With
