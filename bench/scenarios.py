@@ -25,15 +25,14 @@ SMALL_KV = 6144
 # loads), synthetic-trace with the same policies and only its 2 and 4 s goodputs bisected,
 # to keep make bench near an hour (bench/README.md).
 SWEEP_ONLY = dict(bisect_slos=[], bisect_close=0)
-# Issue 43's peers (Dynamo's KV router in both modes, defaults and tuned, and vllm-router's
-# kv_aware) run on every scenario.
-ISSUE_43_PEERS = ["dynamo-kv", "dynamo-kv-tuned", "dynamo-approx", "dynamo-approx-tuned", "vllm-router-kv-aware"]
-SWEEP_ONLY_POLICIES = ["kvroute", "sglang-cache-aware", "vllm-router-cache-aware", "envoy-ring-hash"] + ISSUE_43_PEERS
+# skip_policies: default policies a scenario leaves out (every other default policy runs, so a
+# peer added to the defaults runs on every scenario). burst and synthetic-trace skip round-robin
+# and the oracle.
+SWEEP_ONLY_SKIP = ["envoy-round-robin", "oracle"]
 # Agentic has no round-robin target (the 3x is on shared-context and docqa) and its runs are the
 # longest (about 19 s each): without round-robin make bench has room for synthetic-trace's
 # third load. The oracle stays (the issue asks for its envelope on every scenario).
-NO_ROUND_ROBIN = (["kvroute", "envoy-ring-hash", "sglang-cache-aware", "vllm-router-cache-aware", "oracle"]
-                  + ISSUE_43_PEERS)
+NO_ROUND_ROBIN = ["envoy-round-robin"]
 
 # window_s (synthetic): above the sweep's top load a run sends load x window_s sessions instead
 # of the fixed count, so sessions keep arriving for as long as they did at the top load. With
@@ -80,7 +79,7 @@ SCENARIOS = {
         # 0.07-0.095 at 20, 0.12-0.22 at 22): read off 12 and 24 alone, the 2 and 4 s goodputs
         # were an interpolation across that knee.
         loads=[12.0, 20.0, 24.0],
-        policies=SWEEP_ONLY_POLICIES,
+        skip_policies=SWEEP_ONLY_SKIP,
         expected_s=185,
         args=[],
     ),
@@ -93,7 +92,7 @@ SCENARIOS = {
         dev=dict(start=0, count=500),
         heldout=dict(start=2000, count=500),
         loads=[14.0, 20.0],
-        policies=SWEEP_ONLY_POLICIES,
+        skip_policies=SWEEP_ONLY_SKIP,
         expected_s=80,
         args=[],
     ),
@@ -145,7 +144,7 @@ SCENARIOS = {
         turns=(4, 12),
         think_s=0.5,
         loads=[6.0, 24.0, 48.0],
-        policies=NO_ROUND_ROBIN,
+        skip_policies=NO_ROUND_ROBIN,
         expected_s=550,
         args=["--system-prompts", "4", "--system-tokens", "2000", "--zipf", "1.1", "--doc-fraction", "0",
               "--user-tokens", "50", "--tool-tokens", "500-3000", "--max-tokens", "32"],

@@ -4,10 +4,10 @@
 # (bench/scenarios.py) at three loads, held-out split, bisects goodput at the 2 s SLO (kvroute
 # and the best peer) with 2 runs per deciding load, plus the proxy-overhead test
 # (about 70 min on 2 cores: 55.6 min measured before synthetic-trace, burst and agentic ran
-# Dynamo and vllm-router kv_aware too, which took 17 min more on their own); `make bench-scenarios` (= `make bench-quick`) runs the
-# production-like synthetic scenarios for kvroute and the main baselines at two loads, goodput
-# read off the sweep (<= 8 min); `make bench-signals`
-# compares router signals (real vLLM defaults against the old mock flags); `make test-peers`
+# Dynamo and vllm-router kv_aware too, which took 17 min more on their own);
+# `make bench-scenarios` (= `make bench-quick`) runs the production-like synthetic scenarios
+# for kvroute and the main baselines at two loads, goodput read off the sweep (<= 8 min);
+# `make bench-signals` compares router signals (real vLLM defaults against the old mock flags); `make test-peers`
 # installs the peer routers and runs their end-to-end cases (tests/e2e/test_peers_dynamo.py,
 # which `make test` skips where they are not installed).
 # Results: bench/results/<name>/.

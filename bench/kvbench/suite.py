@@ -152,9 +152,9 @@ def run_suite(name, preset, split, base, overrides, names, policies, replicas, c
             sraw = os.path.join(rawdir, n)
             os.makedirs(sraw, exist_ok=True)
             cfgs[n] = cfg
-            # A scenario may run a subset of the default policies (time); --policies runs them all.
-            pols = policies if every_policy else [p for p in policies if p in scenarios.SCENARIOS[n].get(
-                "policies", policies)]
+            # A scenario may leave default policies out (time); --policies runs them all.
+            skip = [] if every_policy else scenarios.SCENARIOS[n].get("skip_policies", [])
+            pols = [p for p in policies if p not in skip]
             res["scenarios"][n] = run_scenario(cfg, pols, sraw)
             for pol, err in res["scenarios"][n]["not_run"].items():
                 res["not_run"][f"{n}/{pol}"] = err
