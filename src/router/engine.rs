@@ -72,22 +72,35 @@ impl Router {
     }
 
     /// A confirmed pick the engine has not reported within `relay.speculative_ms` leaves
-    /// the speculative entries. A pick on text that no tokenize answer mapped to engine blocks
-    /// yet (see `twins`) cannot be checked against the engine: it goes into the index as a
-    /// prediction, as in predicted mode, instead of vanishing (its document would look cold
-    /// to the next request, which cost precise mode hit rate when tokenize answers were late).
+    /// the speculative entries. A pick on text whose end no tokenize answer mapped to engine
+    /// blocks (see `twins`) cannot be checked against the engine: it goes into the index as a
+    /// prediction, as in predicted mode, instead of vanishing, on each of its workers whose
+    /// engine still holds the part of it that is mapped (a known system prompt or document
+    /// before a new question). Otherwise its document, or a conversation's earlier turns
+    /// past that known part, would look cold to the next request: late tokenize answers cost
+    /// precise mode hit rate that way, and so did a new question on a known prompt (no
+    /// tokenize is asked for it, see `Twins::wants`), whose next turn then found only the
+    /// shared prefix held anywhere. A pick mapped to its end that the engine never reported
+    /// is not held.
     pub(super) fn unreported(&mut self, id: RequestId, now_ms: u64) {
         let Some(p) = self.speculative.take(id) else {
             return;
         };
-        if !self.twins.translate(&p.hashes).is_empty() {
+        let mapped = self.twins.translate(&p.hashes);
+        if mapped.len() >= p.hashes.len() {
             return;
         }
+        let mut engine = [0u32; crate::ids::MAX_WORKERS];
+        if !mapped.is_empty() {
+            self.index.lookup(&mapped, now_ms, &mut engine);
+        }
+        let mapped = u32::try_from(mapped.len()).unwrap_or(u32::MAX);
         let mut held = [0u32; crate::ids::MAX_WORKERS];
         self.index.lookup(&p.hashes, now_ms, &mut held);
         let full = u32::try_from(p.hashes.len()).unwrap_or(u32::MAX);
         for w in core::iter::once(p.worker).chain(p.prefill) {
-            if held.get(usize::from(w)).is_some_and(|&n| n < full) {
+            let engine_has_prefix = engine.get(usize::from(w)).is_some_and(|&n| n >= mapped);
+            if engine_has_prefix && held.get(usize::from(w)).is_some_and(|&n| n < full) {
                 self.index.insert(w, &p.hashes, now_ms);
             }
         }
@@ -338,5 +351,61 @@ mod tests {
         r.apply(&Event::EngineCleared { worker: home }, 70);
         r.held_blocks(first.hashes(), 80, &mut held);
         assert_eq!(held[usize::from(home)], 0);
+    }
+
+    /// A new question on a known document asks no tokenize (`Twins::wants`): its pick maps
+    /// only through the document. Unreported past `relay.speculative_ms`, it stays as a
+    /// prediction where the engine still holds the document, so the next turn finds the
+    /// question too; where the engine dropped the document, the question is not kept.
+    #[test]
+    fn a_pick_mapped_only_through_its_prefix_is_kept_where_the_engine_holds_that_prefix() {
+        let mut r = fed_router();
+        let text = doc(8, 8000);
+        let first = routed(r.route(ApiKind::Completions, &completion(&text), 5));
+        let n = first.hashes().len();
+        let toks: Vec<u64> = (0..n as u64).map(|i| 0xfed0_0000 + i).collect();
+        let (t, k) = Twins::pairs(first.hashes(), &toks);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 6);
+        r.on_first_byte(&first, true, 10);
+        let home = first.decode;
+        r.apply(
+            &Event::EngineStored {
+                worker: home,
+                hashes: toks.clone(),
+            },
+            20,
+        );
+        r.on_finish(&first, 30);
+        let turn = |q: u64| format!("{text}{}", doc(100 + q, 600));
+        let mut held = vec![0u32; 6];
+        for (q, evicted) in [(1, false), (2, true)] {
+            let t0 = 1_000 * q * 10;
+            let ask = routed(r.route(ApiKind::Completions, &completion(&turn(q)), t0));
+            assert_eq!(ask.decode, home);
+            assert!(!r.wants_tokens(ask.hashes()), "mostly known: no tokenize");
+            let m = ask.hashes().len() as u32;
+            assert!(m as usize > n);
+            r.on_first_byte(&ask, true, t0 + 10);
+            r.on_finish(&ask, t0 + 20);
+            if evicted {
+                r.apply(
+                    &Event::EngineRemoved {
+                        worker: home,
+                        hashes: toks.clone(),
+                    },
+                    t0 + 30,
+                );
+            }
+            r.tick(t0 + 10 + 2_000);
+            assert_eq!(r.speculative_requests(), 0);
+            r.held_blocks(ask.hashes(), t0 + 2_100, &mut held);
+            if evicted {
+                // The document's own placement stays (see `engine_reported`); the question's
+                // blocks were never confirmed.
+                assert!(held[usize::from(home)] < m, "question {q}");
+            } else {
+                assert_eq!(held[usize::from(home)], m, "question {q}");
+            }
+        }
     }
 }
