@@ -26,7 +26,8 @@ Cases:
   the band) and its TTFT p50 and p90 no worse beyond the band.
 
 Results: bench/results/<name>/precise.json (every run) and results.md (the targets table);
-each bench run's own record stays under runs/ (raw/ not committed).
+each bench run's own record stays under runs/ (raw/ not committed). A run starts afresh; `--resume`
+finishes an interrupted one.
 """
 
 import argparse
@@ -361,12 +362,16 @@ def main():
     ap.add_argument("--seeds", type=int, default=3, help="router seeds per case (0..N-1)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--refresh", action="store_true", help="with --report-only: re-read the cells from runs/")
+    ap.add_argument("--resume", action="store_true",
+                    help="finish an interrupted run: keep the cells precise.json already has")
     a = ap.parse_args()
     outdir = os.path.join(ROOT, "bench", "results", a.name)
     os.makedirs(outdir, exist_ok=True)
     path = os.path.join(outdir, "precise.json")
     state = {"runs": {}}
-    if os.path.exists(path):
+    # A new run starts empty: reading the committed record's cells back would stamp them with
+    # this build's commit without running anything.
+    if os.path.exists(path) and (a.report_only or a.resume):
         with open(path) as f:
             state = json.load(f)
     allc = cases("all")

@@ -100,11 +100,18 @@ impl Router {
                     .mark_failed(*worker, *at_ms, self.cfg.health.cooldown_ms);
             }
             Event::Recovered { worker } => self.load.mark_ok(*worker),
-            Event::Forget { worker, hashes } | Event::EngineRemoved { worker, hashes } => {
-                self.index.truncate(*worker, hashes, 0)
+            Event::Forget { worker, hashes } => self.index.truncate(*worker, hashes, 0),
+            Event::EngineRemoved { worker, hashes } => {
+                let before = self.index.entries(*worker);
+                self.index.truncate(*worker, hashes, 0);
+                let gone = before.saturating_sub(self.index.entries(*worker));
+                self.count_engine_blocks(*worker, |n| n.saturating_sub(gone));
             }
             Event::EngineStored { worker, hashes } => {
+                let before = self.index.entries(*worker);
                 self.index.insert(*worker, hashes, now_ms);
+                let new = self.index.entries(*worker).saturating_sub(before);
+                self.count_engine_blocks(*worker, |n| n.saturating_add(new));
                 self.settle_confirmed(*worker, now_ms, false);
             }
             Event::TextTokens { text, tokens } => self.twins.learn(text, tokens),
@@ -129,6 +136,7 @@ impl Router {
             Event::Lora { worker, report } => self.adapters.on_report(*worker, report, now_ms),
             Event::EngineCleared { worker } => {
                 self.index.clear(*worker);
+                self.count_engine_blocks(*worker, |_| 0);
                 self.settle_confirmed(*worker, now_ms, true);
             }
             Event::EngineFeed { worker, on } => {
@@ -159,6 +167,20 @@ impl Router {
                     self.chars_per_token = *chars_per_token;
                 }
             }
+        }
+    }
+
+    /// Updates worker `w`'s count of blocks its engine reports holding.
+    fn count_engine_blocks(&mut self, w: WorkerId, f: impl Fn(usize) -> usize) {
+        let wi = usize::from(w);
+        if wi >= self.cfg.workers.len() {
+            return;
+        }
+        if self.engine_blocks.len() <= wi {
+            self.engine_blocks.resize(wi + 1, 0);
+        }
+        if let Some(n) = self.engine_blocks.get_mut(wi) {
+            *n = u32::try_from(f(*n as usize)).unwrap_or(u32::MAX);
         }
     }
 

@@ -19,6 +19,12 @@ impl Router {
             .unwrap_or(false)
     }
 
+    /// The blocks an engine-fed worker's engine reports holding; `None` when not fed.
+    pub(super) fn held_by_engine(&self, w: WorkerId) -> Option<u32> {
+        self.engine_fed(w)
+            .then(|| self.engine_blocks.get(usize::from(w)).copied().unwrap_or(0))
+    }
+
     /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.
     pub(super) fn fed(&self, p: &Pending) -> bool {
         self.engine_fed(p.worker) && p.prefill.is_none_or(|w| self.engine_fed(w))
@@ -327,6 +333,12 @@ mod tests {
         );
         r.on_finish(&first, 30);
         assert_eq!(r.speculative_requests(), 0);
+        assert_eq!(
+            r.index().entries(home),
+            2 * n as usize,
+            "token and text blocks"
+        );
+        assert_eq!(r.held_by_engine(home), Some(n));
         // It evicts it: no engine block is left, yet the worker the text was placed on
         // still holds it in the index, as predicted mode would have it.
         r.apply(
@@ -339,6 +351,9 @@ mod tests {
         let mut held = vec![0u32; 6];
         r.held_blocks(first.hashes(), 50, &mut held);
         assert_eq!(held[usize::from(home)], n);
+        // What the cache holds is the engine's count: the placement is no second copy.
+        assert_eq!(r.held_by_engine(home), Some(0));
+        assert_eq!(r.held_by_engine(4), None, "not engine-fed");
         assert_eq!(held.iter().filter(|&&b| b > 0).count(), 1);
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 60));
         assert_eq!(

@@ -55,6 +55,10 @@ pub struct Router {
     /// Per worker: kvroute-relay streams this engine's own KV events (precise mode), so the
     /// index follows the engine and confirmed picks stay speculative until it reports them.
     engine_fed: Vec<bool>,
+    /// Per engine-fed worker: the blocks its engine reports holding (stored less removed, as
+    /// far as the index took them). Its index entries are no measure of that: a text pick the
+    /// engine reported is held there twice, under its token and its text blocks.
+    engine_blocks: Vec<u32>,
     /// Confirmed requests on engine-fed workers, kept speculative until the engine's events
     /// have had time to arrive: (drop at ms, request).
     confirmed: VecDeque<(u64, RequestId)>,
@@ -149,6 +153,7 @@ impl Router {
             speculative: Speculative::new(hash_key),
             pending: Vec::new(),
             engine_fed: Vec::new(),
+            engine_blocks: Vec::new(),
             confirmed: VecDeque::new(),
             adapters,
             families,

@@ -50,10 +50,11 @@ impl Router {
                     .get(usize::from(w))
                     .map(|c| self.cfg.kv_blocks(c))
                     .unwrap_or(1),
-                // What its KV holds: ended prompts, and the running requests' own blocks
-                // that took their room.
-                indexed_blocks: u32::try_from(self.index.entries(w))
-                    .unwrap_or(u32::MAX)
+                // What its KV holds: ended prompts (the engine's count when it reports
+                // them), and the running requests' own blocks that took their room.
+                indexed_blocks: self
+                    .held_by_engine(w)
+                    .unwrap_or_else(|| u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX))
                     .saturating_add(self.speculative.reserved(w)),
                 load: self.worker_view(w, now_ms),
                 confirmed_tokens: confirmed(w),
