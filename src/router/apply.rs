@@ -104,14 +104,21 @@ impl Router {
             Event::EngineRemoved { worker, hashes } => {
                 let before = self.index.entries(*worker);
                 self.index.truncate(*worker, hashes, 0);
-                let gone = before.saturating_sub(self.index.entries(*worker));
-                self.count_engine_blocks(*worker, |n| n.saturating_sub(gone));
+                let gone = u32::try_from(before.saturating_sub(self.index.entries(*worker)))
+                    .unwrap_or(u32::MAX);
+                self.count_engine_blocks(*worker, |c| {
+                    if gone > 0 {
+                        c.full_at = c.held;
+                    }
+                    c.held = c.held.saturating_sub(gone);
+                });
             }
             Event::EngineStored { worker, hashes } => {
                 let before = self.index.entries(*worker);
                 self.index.insert(*worker, hashes, now_ms);
-                let new = self.index.entries(*worker).saturating_sub(before);
-                self.count_engine_blocks(*worker, |n| n.saturating_add(new));
+                let new = u32::try_from(self.index.entries(*worker).saturating_sub(before))
+                    .unwrap_or(u32::MAX);
+                self.count_engine_blocks(*worker, |c| c.held = c.held.saturating_add(new));
                 self.settle_confirmed(*worker, now_ms, false);
             }
             Event::TextTokens { text, tokens } => self.twins.learn(text, tokens),
@@ -136,7 +143,7 @@ impl Router {
             Event::Lora { worker, report } => self.adapters.on_report(*worker, report, now_ms),
             Event::EngineCleared { worker } => {
                 self.index.clear(*worker);
-                self.count_engine_blocks(*worker, |_| 0);
+                self.count_engine_blocks(*worker, |c| c.held = 0);
                 self.settle_confirmed(*worker, now_ms, true);
             }
             Event::EngineFeed { worker, on } => {
@@ -170,17 +177,18 @@ impl Router {
         }
     }
 
-    /// Updates worker `w`'s count of blocks its engine reports holding.
-    fn count_engine_blocks(&mut self, w: WorkerId, f: impl Fn(usize) -> usize) {
+    /// Updates what worker `w`'s engine reports holding.
+    fn count_engine_blocks(&mut self, w: WorkerId, f: impl FnOnce(&mut super::EngineCache)) {
         let wi = usize::from(w);
         if wi >= self.cfg.workers.len() {
             return;
         }
         if self.engine_blocks.len() <= wi {
-            self.engine_blocks.resize(wi + 1, 0);
+            self.engine_blocks
+                .resize(wi + 1, super::EngineCache::default());
         }
-        if let Some(n) = self.engine_blocks.get_mut(wi) {
-            *n = u32::try_from(f(*n as usize)).unwrap_or(u32::MAX);
+        if let Some(c) = self.engine_blocks.get_mut(wi) {
+            f(c);
         }
     }
 

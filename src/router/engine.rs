@@ -19,10 +19,25 @@ impl Router {
             .unwrap_or(false)
     }
 
-    /// The blocks an engine-fed worker's engine reports holding; `None` when not fed.
-    pub(super) fn held_by_engine(&self, w: WorkerId) -> Option<u32> {
-        self.engine_fed(w)
-            .then(|| self.engine_blocks.get(usize::from(w)).copied().unwrap_or(0))
+    /// How much of an engine-fed worker's cache is taken, in blocks of the configured
+    /// `kv_blocks` (what the cost terms divide by); `None` when not fed. An engine found
+    /// smaller than configured (it evicted holding fewer) is full at its own size: counted
+    /// against the configured size it would look to have room it does not have, and copies
+    /// into it would look free (engines with half the configured KV: hit 0.013 lower).
+    pub(super) fn held_by_engine(&self, w: WorkerId, kv_blocks: u32) -> Option<u32> {
+        if !self.engine_fed(w) {
+            return None;
+        }
+        let c = self
+            .engine_blocks
+            .get(usize::from(w))
+            .copied()
+            .unwrap_or_default();
+        if c.full_at == 0 || c.full_at >= kv_blocks {
+            return Some(c.held);
+        }
+        let scaled = u64::from(c.held) * u64::from(kv_blocks) / u64::from(c.full_at);
+        Some(u32::try_from(scaled).unwrap_or(u32::MAX))
     }
 
     /// A pick's blocks are the engine's to confirm: every worker it goes to is engine-fed.
@@ -338,7 +353,7 @@ mod tests {
             2 * n as usize,
             "token and text blocks"
         );
-        assert_eq!(r.held_by_engine(home), Some(n));
+        assert_eq!(r.held_by_engine(home, 1000), Some(n));
         // It evicts it: no engine block is left, yet the worker the text was placed on
         // still holds it in the index, as predicted mode would have it.
         r.apply(
@@ -352,8 +367,8 @@ mod tests {
         r.held_blocks(first.hashes(), 50, &mut held);
         assert_eq!(held[usize::from(home)], n);
         // What the cache holds is the engine's count: the placement is no second copy.
-        assert_eq!(r.held_by_engine(home), Some(0));
-        assert_eq!(r.held_by_engine(4), None, "not engine-fed");
+        assert_eq!(r.held_by_engine(home, 1000), Some(0));
+        assert_eq!(r.held_by_engine(4, 1000), None, "not engine-fed");
         assert_eq!(held.iter().filter(|&&b| b > 0).count(), 1);
         let again = routed(r.route(ApiKind::Completions, &completion(&text), 60));
         assert_eq!(
@@ -422,5 +437,45 @@ mod tests {
                 assert_eq!(held[usize::from(home)], m, "question {q}");
             }
         }
+    }
+
+    /// How full an engine's cache is: its own count; one that evicted holding fewer blocks
+    /// than configured is counted full at that size.
+    #[test]
+    fn an_engine_is_as_full_as_it_reports_at_its_own_size() {
+        let mut r = fed_router();
+        let hashes: Vec<u64> = (0..100u64).map(|i| 0x5eed_0000 + i).collect();
+        let stored = |r: &mut Router, h: &[u64]| {
+            r.apply(
+                &Event::EngineStored {
+                    worker: 0,
+                    hashes: h.to_vec(),
+                },
+                10,
+            )
+        };
+        stored(&mut r, &hashes);
+        stored(&mut r, &hashes[..10]);
+        assert_eq!(
+            r.held_by_engine(0, 1000),
+            Some(100),
+            "a block stored again counts once"
+        );
+        r.apply(
+            &Event::EngineRemoved {
+                worker: 0,
+                hashes: hashes[90..].to_vec(),
+            },
+            20,
+        );
+        // It evicted holding 100 of 1000 configured: 90 held is 90 % full.
+        assert_eq!(r.held_by_engine(0, 1000), Some(900));
+        assert_eq!(
+            r.held_by_engine(0, 50),
+            Some(90),
+            "no larger than configured"
+        );
+        r.apply(&Event::EngineCleared { worker: 0 }, 30);
+        assert_eq!(r.held_by_engine(0, 1000), Some(0));
     }
 }

@@ -32,6 +32,18 @@ use crate::select::SelectParams;
 use crate::twins::Twins;
 use std::collections::VecDeque;
 
+/// An engine-fed worker's cache as its engine reports it. The index's entries are no measure
+/// of how full it is: a text pick the engine reported is held there twice, under its token and
+/// its text blocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct EngineCache {
+    /// Blocks stored less blocks removed (as far as the index took them).
+    pub held: u32,
+    /// Blocks it held when it last evicted (an engine evicts only when it needs the room):
+    /// its real size, where that is less than the configured `kv_blocks`. 0 before any.
+    pub full_at: u32,
+}
+
 pub struct Router {
     cfg: Config,
     sel: SelectParams,
@@ -55,10 +67,8 @@ pub struct Router {
     /// Per worker: kvroute-relay streams this engine's own KV events (precise mode), so the
     /// index follows the engine and confirmed picks stay speculative until it reports them.
     engine_fed: Vec<bool>,
-    /// Per engine-fed worker: the blocks its engine reports holding (stored less removed, as
-    /// far as the index took them). Its index entries are no measure of that: a text pick the
-    /// engine reported is held there twice, under its token and its text blocks.
-    engine_blocks: Vec<u32>,
+    /// Per engine-fed worker: what its engine reports holding (see [`EngineCache`]).
+    engine_blocks: Vec<EngineCache>,
     /// Confirmed requests on engine-fed workers, kept speculative until the engine's events
     /// have had time to arrive: (drop at ms, request).
     confirmed: VecDeque<(u64, RequestId)>,

@@ -41,30 +41,33 @@ impl Router {
         now_ms: u64,
     ) -> Vec<Candidate> {
         pool.iter()
-            .map(|&w| Candidate {
-                id: w,
-                overlap_tokens: overlap(w),
-                kv_blocks: self
+            .map(|&w| {
+                let kv_blocks = self
                     .cfg
                     .workers
                     .get(usize::from(w))
                     .map(|c| self.cfg.kv_blocks(c))
-                    .unwrap_or(1),
-                // What its KV holds: ended prompts (the engine's count when it reports
-                // them), and the running requests' own blocks that took their room.
-                indexed_blocks: self
-                    .held_by_engine(w)
-                    .unwrap_or_else(|| u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX))
-                    .saturating_add(self.speculative.reserved(w)),
-                load: self.worker_view(w, now_ms),
-                confirmed_tokens: confirmed(w),
-                family_share: None,
-                speed: self
-                    .cfg
-                    .workers
-                    .get(usize::from(w))
-                    .map_or(1.0, |c| c.speed),
-                adapter_loads: 0.0,
+                    .unwrap_or(1);
+                Candidate {
+                    id: w,
+                    overlap_tokens: overlap(w),
+                    kv_blocks,
+                    // What its KV holds: ended prompts (the engine's count when it reports
+                    // them), and the running requests' own blocks that took their room.
+                    indexed_blocks: self
+                        .held_by_engine(w, kv_blocks)
+                        .unwrap_or_else(|| u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX))
+                        .saturating_add(self.speculative.reserved(w)),
+                    load: self.worker_view(w, now_ms),
+                    confirmed_tokens: confirmed(w),
+                    family_share: None,
+                    speed: self
+                        .cfg
+                        .workers
+                        .get(usize::from(w))
+                        .map_or(1.0, |c| c.speed),
+                    adapter_loads: 0.0,
+                }
             })
             .collect()
     }
