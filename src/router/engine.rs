@@ -327,26 +327,38 @@ mod tests {
         assert!(fifth.overlap_tokens > 0);
     }
 
-    #[test]
-    fn a_reported_text_pick_keeps_its_placement_after_the_engine_evicts_it() {
-        let mut r = fed_router();
-        let text = doc(7, 8000);
-        let first = routed(r.route(ApiKind::Completions, &completion(&text), 5));
-        let n = first.hashes().len() as u32;
-        let toks: Vec<u64> = (0..u64::from(n)).map(|i| 0xdef0_0000 + i).collect();
+    /// A text document routed at 5 ms, its tokens learned (engine blocks `tag + i`), its
+    /// first byte at 10, the engine's report of it at 20 and its end at 30: (the pick, the
+    /// engine blocks).
+    fn reported_document(
+        r: &mut Router,
+        text: &str,
+        tag: u64,
+    ) -> (crate::router::Decision, Vec<u64>) {
+        let first = routed(r.route(ApiKind::Completions, &completion(text), 5));
+        let toks: Vec<u64> = (0..first.hashes().len() as u64).map(|i| tag + i).collect();
         let (t, k) = Twins::pairs(first.hashes(), &toks);
         r.apply(&Event::TextTokens { text: t, tokens: k }, 6);
         r.on_first_byte(&first, true, 10);
-        let home = first.decode;
-        // The engine reports the prompt: the pick leaves the speculative entries.
         r.apply(
             &Event::EngineStored {
-                worker: home,
+                worker: first.decode,
                 hashes: toks.clone(),
             },
             20,
         );
         r.on_finish(&first, 30);
+        (first, toks)
+    }
+
+    #[test]
+    fn a_reported_text_pick_keeps_its_placement_after_the_engine_evicts_it() {
+        let mut r = fed_router();
+        let text = doc(7, 8000);
+        let (first, toks) = reported_document(&mut r, &text, 0xdef0_0000);
+        let n = first.hashes().len() as u32;
+        let home = first.decode;
+        // The engine reported the prompt: the pick left the speculative entries.
         assert_eq!(r.speculative_requests(), 0);
         assert_eq!(
             r.index().entries(home),
@@ -391,21 +403,9 @@ mod tests {
     fn a_pick_mapped_only_through_its_prefix_is_kept_where_the_engine_holds_that_prefix() {
         let mut r = fed_router();
         let text = doc(8, 8000);
-        let first = routed(r.route(ApiKind::Completions, &completion(&text), 5));
+        let (first, toks) = reported_document(&mut r, &text, 0xfed0_0000);
         let n = first.hashes().len();
-        let toks: Vec<u64> = (0..n as u64).map(|i| 0xfed0_0000 + i).collect();
-        let (t, k) = Twins::pairs(first.hashes(), &toks);
-        r.apply(&Event::TextTokens { text: t, tokens: k }, 6);
-        r.on_first_byte(&first, true, 10);
         let home = first.decode;
-        r.apply(
-            &Event::EngineStored {
-                worker: home,
-                hashes: toks.clone(),
-            },
-            20,
-        );
-        r.on_finish(&first, 30);
         let turn = |q: u64| format!("{text}{}", doc(100 + q, 600));
         let mut held = vec![0u32; 6];
         for (q, evicted) in [(1, false), (2, true)] {
