@@ -439,6 +439,54 @@ mod tests {
         }
     }
 
+    /// Traffic past the gateway leaves copies of a document on other workers, which the
+    /// engines report. While the gateway's own placement holds the document its requests stay
+    /// there rather than spread over the stray copies and keep each of them warm; a document
+    /// the gateway never placed goes to the engine that holds it.
+    #[test]
+    fn a_copy_the_gateway_did_not_place_does_not_draw_its_documents_away() {
+        let mut r = fed_router();
+        let text = doc(9, 8000);
+        let (first, toks) = reported_document(&mut r, &text, 0xc0c0_0000);
+        let home = first.decode;
+        let stray = (home + 1) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: stray,
+                hashes: toks.clone(),
+            },
+            40,
+        );
+        let mut held = vec![0u32; 6];
+        r.held_blocks(&toks, 50, &mut held);
+        assert_eq!(held[usize::from(stray)], toks.len() as u32);
+        // Two at once: the second finds the first in flight at home, and still stays.
+        for t in [60, 61] {
+            let d = routed(r.route(ApiKind::Completions, &completion(&text), t));
+            assert_eq!(d.decode, home, "at {t}");
+        }
+        // Another document only the engine of `stray` holds (another gateway placed it).
+        let other = doc(10, 8000);
+        let probe = routed(r.route(ApiKind::Completions, &completion(&other), 70));
+        let toks: Vec<u64> = (0..probe.hashes().len() as u64)
+            .map(|i| 0xc1c1_0000 + i)
+            .collect();
+        let (t, k) = Twins::pairs(probe.hashes(), &toks);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 71);
+        r.on_finish(&probe, 72);
+        r.tick(72 + 2_000);
+        let holder = (probe.decode + 2) % 4;
+        r.apply(
+            &Event::EngineStored {
+                worker: holder,
+                hashes: toks,
+            },
+            2_100,
+        );
+        let d = routed(r.route(ApiKind::Completions, &completion(&other), 2_200));
+        assert_eq!(d.decode, holder);
+    }
+
     /// How full an engine's cache is: its own count; one that evicted holding fewer blocks
     /// than configured is counted full at that size.
     #[test]

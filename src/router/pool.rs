@@ -48,9 +48,10 @@ impl Router {
                     .get(usize::from(w))
                     .map(|c| self.cfg.kv_blocks(c))
                     .unwrap_or(1);
+                let (overlap_tokens, confirmed_tokens) = (overlap(w), confirmed(w));
                 Candidate {
                     id: w,
-                    overlap_tokens: overlap(w),
+                    overlap_tokens,
                     kv_blocks,
                     // What its KV holds: ended prompts (the engine's count when it reports
                     // them), and the running requests' own blocks that took their room.
@@ -59,7 +60,10 @@ impl Router {
                         .unwrap_or_else(|| u32::try_from(self.index.entries(w)).unwrap_or(u32::MAX))
                         .saturating_add(self.speculative.reserved(w)),
                     load: self.worker_view(w, now_ms),
-                    confirmed_tokens: confirmed(w),
+                    confirmed_tokens,
+                    // All of it, unless the request's route says what only the engines hold.
+                    placed_tokens: overlap_tokens,
+                    placed_confirmed_tokens: confirmed_tokens,
                     family_share: None,
                     speed: self
                         .cfg

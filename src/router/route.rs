@@ -129,13 +129,26 @@ impl Router {
         self.end_continued_peer_requests(&ph.blocks, now_ms);
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
+        // Placed: the same before the engines' word for a text prompt is added, i.e. what
+        // this router's own picks hold (`Candidate::placed_tokens`); kept only where the
+        // engines report more.
+        let mut placed = None;
         if !ph.exact {
+            let own = confirmed.clone();
             self.engine_held_text(&ph.blocks, now_ms, &mut confirmed);
+            placed = (own != confirmed).then_some(own);
         }
         self.speculative
             .extend_confirmed(&ph.blocks, &mut confirmed);
         let mut held = confirmed.clone();
         self.speculative.extend(&ph.blocks, &mut held);
+        let placed = placed.map(|mut own_confirmed| {
+            self.speculative
+                .extend_confirmed(&ph.blocks, &mut own_confirmed);
+            let mut own = own_confirmed.clone();
+            self.speculative.extend(&ph.blocks, &mut own);
+            (own, own_confirmed)
+        });
         let to_tokens = |blocks: &[u32], w: WorkerId| -> u32 {
             let b = blocks.get(usize::from(w)).copied().unwrap_or(0);
             ((f64::from(b) * tokens_per_block) as u32).min(prompt_tokens)
@@ -162,6 +175,10 @@ impl Router {
         for c in &mut decode_cands {
             c.family_share = family_share(c.id);
             c.adapter_loads = self.adapter_loads(c.id, adapter);
+            if let Some((own, own_confirmed)) = &placed {
+                c.placed_tokens = to_tokens(own, c.id);
+                c.placed_confirmed_tokens = to_tokens(own_confirmed, c.id);
+            }
         }
         // A hint is one more block at the head of the prompt, cached (confirmed) where the
         // key went last: prefix affinity and its load trade-off, at the weight of one block.
@@ -173,6 +190,8 @@ impl Router {
                     if holds.get(usize::from(c.id)).is_some_and(|&b| b > 0) {
                         c.overlap_tokens = c.overlap_tokens.saturating_add(bs);
                         c.confirmed_tokens = c.confirmed_tokens.saturating_add(bs);
+                        c.placed_tokens = c.placed_tokens.saturating_add(bs);
+                        c.placed_confirmed_tokens = c.placed_confirmed_tokens.saturating_add(bs);
                     }
                 }
                 RequestShape {

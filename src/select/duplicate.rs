@@ -1,7 +1,10 @@
 //! `duplicate`: blocks another worker is confirmed to hold that this one would write again.
 //! Each is a lost cache hit (`copy_weight`), and into a full cache it also pushes out content
 //! nobody else holds, which some later request will recompute (`duplicate_weight`): that
-//! partitions the working set under eviction pressure.
+//! partitions the working set under eviction pressure. A copy an engine reports that this
+//! router did not place (traffic past the gateway) counts as missing here while another worker
+//! holds the router's own placement: refreshing it keeps a second copy alive, which costs the
+//! same room, and the gateway's traffic would otherwise spread over every stray copy.
 //!   duplicate = s * blocks confirmed cached on another worker but not here
 //!                 * (copy_weight + duplicate_weight * indexed blocks / kv_blocks)
 
@@ -18,10 +21,10 @@ pub(super) fn duplicate(
     let fullness = (f64::from(c.indexed_blocks) / b.kv).min(1.0);
     // Unanswered requests' blocks are cached nowhere yet; counting them would let a worker
     // that takes requests and never answers attract its prompts' families.
+    let missing = |best: u32, here: u32| best.min(r.prompt_tokens).saturating_sub(here);
     let duplicate = f64::from(
-        pool.best_confirmed_tokens
-            .min(r.prompt_tokens)
-            .saturating_sub(c.overlap_tokens),
+        missing(pool.best_confirmed_tokens, c.overlap_tokens)
+            .max(missing(pool.best_placed_confirmed_tokens, c.placed_tokens)),
     ) / b.bs;
     p.prefill_load_scale * (duplicate * (p.copy_weight + p.duplicate_weight * fullness))
 }
@@ -106,8 +109,40 @@ mod tests {
         assert!(copy(cand(0, 100, idle())) > 0.0);
         let unanswered = Candidate {
             confirmed_tokens: 0,
+            placed_confirmed_tokens: 0,
             ..cand(0, 100, idle())
         };
         assert_eq!(copy(unanswered), 0.0);
+    }
+
+    /// A document the gateway placed on worker 0 and the engines also report on worker 1
+    /// (a request that bypassed the gateway): worker 1 is a hit, yet taking it keeps a second
+    /// copy alive, so it costs as a copy would. With no placement of the gateway's anywhere
+    /// (another gateway's copy) it is a plain hit.
+    #[test]
+    fn a_copy_the_router_did_not_place_costs_as_one_while_its_own_placement_holds() {
+        let p = SelectParams::default();
+        let r = shape(1600);
+        let placed = cand(0, 100, idle());
+        let stray = Candidate {
+            placed_tokens: 0,
+            placed_confirmed_tokens: 0,
+            ..cand(1, 100, idle())
+        };
+        let cold = cand(2, 0, idle());
+        let dup = |c: &Candidate, all: &[Candidate]| terms(&p, c, &r, &Pool::of(all)).duplicate;
+        let fleet = [placed, stray, cold];
+        assert_eq!(dup(&placed, &fleet), 0.0);
+        assert!(dup(&stray, &fleet) > 0.0);
+        assert!((dup(&stray, &fleet) - dup(&cold, &fleet)).abs() < 1e-9);
+        assert_eq!(picked(pick(&p, &fleet, &r, &mut Rng::new(1))).id, 0);
+        let unplaced = Candidate {
+            placed_tokens: 0,
+            placed_confirmed_tokens: 0,
+            ..cand(0, 0, idle())
+        };
+        let fleet = [unplaced, stray, cold];
+        assert_eq!(dup(&stray, &fleet), 0.0);
+        assert_eq!(picked(pick(&p, &fleet, &r, &mut Rng::new(1))).id, 1);
     }
 }

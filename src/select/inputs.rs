@@ -112,6 +112,13 @@ pub struct Candidate {
     /// answered, cached nowhere until their prefill runs (and never on a worker that holds
     /// requests without answering them).
     pub confirmed_tokens: u32,
+    /// Of `overlap_tokens` and `confirmed_tokens`, those this router's own placements hold
+    /// (its picks, and the text picks an engine reported). They differ only where an engine
+    /// reports a copy this router did not place: traffic past the gateway, or another
+    /// gateway's. Keeping such a copy warm costs what making one does (`duplicate`) while
+    /// another worker holds the router's own placement; with none anywhere it is a plain hit.
+    pub placed_tokens: u32,
+    pub placed_confirmed_tokens: u32,
     /// Share of this worker's recent requests from the request's prefix family
     /// ([`crate::family`]), when the worker holds all of that prefix; None when it does not
     /// (a request placed here is new to it) or the prefix is new to every worker.
@@ -133,6 +140,8 @@ pub struct Pool {
     pub waiting: u32,
     /// The longest confirmed cached prefix any worker holds for this request, in tokens.
     pub best_confirmed_tokens: u32,
+    /// The same through this router's own placements ([`Candidate::placed_confirmed_tokens`]).
+    pub best_placed_confirmed_tokens: u32,
     /// Recent requests per healthy worker of speed 1, on average
     /// ([`WorkerView::recent_requests`]; a worker of speed 2 counts as two).
     pub mean_recent: f64,
@@ -171,6 +180,11 @@ impl Pool {
         Pool {
             waiting,
             best_confirmed_tokens: cands.iter().map(|c| c.confirmed_tokens).max().unwrap_or(0),
+            best_placed_confirmed_tokens: cands
+                .iter()
+                .map(|c| c.placed_confirmed_tokens)
+                .max()
+                .unwrap_or(0),
             mean_recent: if speed > 0.0 { sum / speed } else { 0.0 },
             mean_inflight: if speed > 0.0 { inflight / speed } else { 0.0 },
             mean_request_blocks: if inflight > 0.0 {

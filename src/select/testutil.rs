@@ -11,6 +11,8 @@ pub(super) fn cand(id: u16, overlap: u32, load: WorkerView) -> Candidate {
         indexed_blocks: 0,
         load,
         confirmed_tokens: overlap * 16,
+        placed_tokens: overlap * 16,
+        placed_confirmed_tokens: overlap * 16,
         family_share: None,
         speed: 1.0,
         adapter_loads: 0.0,
