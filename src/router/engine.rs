@@ -441,8 +441,9 @@ mod tests {
 
     /// Traffic past the gateway leaves copies of a document on other workers, which the
     /// engines report. While the gateway's own placement holds the document its requests stay
-    /// there rather than spread over the stray copies and keep each of them warm; a document
-    /// the gateway never placed goes to the engine that holds it.
+    /// there rather than spread over the stray copies and keep each of them warm; once that
+    /// engine evicts it, or for a document the gateway never placed, they go to the engine
+    /// that holds it.
     #[test]
     fn a_copy_the_gateway_did_not_place_does_not_draw_its_documents_away() {
         let mut r = fed_router();
@@ -461,29 +462,47 @@ mod tests {
         r.held_blocks(&toks, 50, &mut held);
         assert_eq!(held[usize::from(stray)], toks.len() as u32);
         // Two at once: the second finds the first in flight at home, and still stays.
+        let mut both = Vec::new();
         for t in [60, 61] {
             let d = routed(r.route(ApiKind::Completions, &completion(&text), t));
             assert_eq!(d.decode, home, "at {t}");
+            both.push(d);
         }
+        for d in &both {
+            r.on_first_byte(d, true, 62);
+            r.on_finish(d, 63);
+        }
+        r.tick(63 + 2_000);
+        // Once home's engine evicts it, the stray copy is the one that holds it.
+        r.apply(
+            &Event::EngineRemoved {
+                worker: home,
+                hashes: toks.clone(),
+            },
+            2_100,
+        );
+        let d = routed(r.route(ApiKind::Completions, &completion(&text), 2_200));
+        assert_eq!(d.decode, stray, "the live copy, not the evicted placement");
+        r.on_finish(&d, 2_210);
         // Another document only the engine of `stray` holds (another gateway placed it).
         let other = doc(10, 8000);
-        let probe = routed(r.route(ApiKind::Completions, &completion(&other), 70));
+        let probe = routed(r.route(ApiKind::Completions, &completion(&other), 3_000));
         let toks: Vec<u64> = (0..probe.hashes().len() as u64)
             .map(|i| 0xc1c1_0000 + i)
             .collect();
         let (t, k) = Twins::pairs(probe.hashes(), &toks);
-        r.apply(&Event::TextTokens { text: t, tokens: k }, 71);
-        r.on_finish(&probe, 72);
-        r.tick(72 + 2_000);
+        r.apply(&Event::TextTokens { text: t, tokens: k }, 3_001);
+        r.on_finish(&probe, 3_002);
+        r.tick(3_002 + 2_000);
         let holder = (probe.decode + 2) % 4;
         r.apply(
             &Event::EngineStored {
                 worker: holder,
                 hashes: toks,
             },
-            2_100,
+            5_100,
         );
-        let d = routed(r.route(ApiKind::Completions, &completion(&other), 2_200));
+        let d = routed(r.route(ApiKind::Completions, &completion(&other), 5_200));
         assert_eq!(d.decode, holder);
     }
 

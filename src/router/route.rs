@@ -129,14 +129,33 @@ impl Router {
         self.end_continued_peer_requests(&ph.blocks, now_ms);
         let mut confirmed = vec![0u32; self.cfg.workers.len()];
         self.index.lookup(&ph.blocks, now_ms, &mut confirmed);
-        // Placed: the same before the engines' word for a text prompt is added, i.e. what
-        // this router's own picks hold (`Candidate::placed_tokens`); kept only where the
-        // engines report more.
+        // Placed (`Candidate::placed_tokens`): what this router's own picks hold, on an
+        // engine-fed worker only as far as its engine still holds it; kept only where that
+        // differs from what is held (a copy the router did not place, or a placement the
+        // engine evicted).
         let mut placed = None;
         if !ph.exact {
-            let own = confirmed.clone();
-            self.engine_held_text(&ph.blocks, now_ms, &mut confirmed);
-            placed = (own != confirmed).then_some(own);
+            let mut engine = vec![0u32; confirmed.len()];
+            self.engine_held_text(&ph.blocks, now_ms, &mut engine);
+            if engine.iter().any(|&b| b > 0) {
+                let own: Vec<u32> = confirmed
+                    .iter()
+                    .zip(&engine)
+                    .enumerate()
+                    .map(|(w, (&text, &eng))| {
+                        let fed = WorkerId::try_from(w).is_ok_and(|w| self.engine_fed(w));
+                        if fed {
+                            text.min(eng)
+                        } else {
+                            text
+                        }
+                    })
+                    .collect();
+                for (c, e) in confirmed.iter_mut().zip(&engine) {
+                    *c = (*c).max(*e);
+                }
+                placed = (own != confirmed).then_some(own);
+            }
         }
         self.speculative
             .extend_confirmed(&ph.blocks, &mut confirmed);

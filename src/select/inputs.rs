@@ -113,10 +113,11 @@ pub struct Candidate {
     /// requests without answering them).
     pub confirmed_tokens: u32,
     /// Of `overlap_tokens` and `confirmed_tokens`, those this router's own placements hold
-    /// (its picks, and the text picks an engine reported). They differ only where an engine
-    /// reports a copy this router did not place: traffic past the gateway, or another
-    /// gateway's. Keeping such a copy warm costs what making one does (`duplicate`) while
-    /// another worker holds the router's own placement; with none anywhere it is a plain hit.
+    /// (its picks, and the text picks an engine reported) where the engine, if it reports,
+    /// still holds them. They differ where an engine reports a copy this router did not place
+    /// (traffic past the gateway, or another gateway's) or evicted a placement. Keeping a
+    /// stray copy warm costs what making one does (`duplicate`) while another worker's engine
+    /// holds the router's own placement; with none anywhere it is a plain hit.
     pub placed_tokens: u32,
     pub placed_confirmed_tokens: u32,
     /// Share of this worker's recent requests from the request's prefix family
