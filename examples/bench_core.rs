@@ -719,6 +719,8 @@ fn breakdown(b: &mut Bench, c: &Corpus, kind: ApiKind, full_p50: f64, seed: u64)
                 indexed_blocks: b.router.index().entries(w as u16) as u32,
                 load: b.router.worker_view(w as u16, now),
                 confirmed_tokens: held[w] * BLOCK_SIZE,
+                placed_tokens: held[w] * BLOCK_SIZE,
+                placed_confirmed_tokens: held[w] * BLOCK_SIZE,
                 family_share: None,
                 speed: 1.0,
                 adapter_loads: 0.0,
