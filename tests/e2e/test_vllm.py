@@ -38,6 +38,7 @@ from kvstack import (  # noqa: E402
     Relay,
     Stack,
     VllmWorker,
+    request,
     sse_usage,
     start_vllm,
     stream,
@@ -309,6 +310,21 @@ def test_orca_and_the_metrics_poller_read_the_engine(fleet):
             assert f'kvroute_worker_waiting{{worker="{w.name}"}}' in st
 
 
+def wait_running(worker, timeout: float) -> float:
+    """The engine's own count of running requests (vLLM's /metrics), once it is above zero."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            _, _, body = request(worker.port, "GET", "/metrics", timeout=2)
+        except OSError:
+            body = b""
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[-1]) > 0:
+                return float(line.rsplit(" ", 1)[-1])
+        time.sleep(0.01)
+    raise AssertionError(f"no request ran on {worker.name} within {timeout} s")
+
+
 def test_killed_engine_loses_nothing_retryable_and_its_restart_empties_its_entries(fleet):
     with gateway(fleet, precise=True) as s:
         doc = tokens(4242, 20 * BLOCK)
@@ -331,8 +347,11 @@ def test_killed_engine_loses_nothing_retryable_and_its_restart_empties_its_entri
         threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=streaming)]
         for t in threads:
             t.start()
-        time.sleep(0.8)
+        # Killed as soon as the victim runs one of them: a fixed pause let requests finish on it
+        # first when the engine decoded fast, and a finished request cannot be retried.
+        running = wait_running(victim, timeout=30)
         victim.kill()
+        print(f"\nkilled {victim.name} with {running:.0f} requests running on it")
         for t in threads:
             t.join()
         statuses = [r[0] for r in results]
