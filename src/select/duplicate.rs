@@ -2,9 +2,10 @@
 //! Each is a lost cache hit (`copy_weight`), and into a full cache it also pushes out content
 //! nobody else holds, which some later request will recompute (`duplicate_weight`): that
 //! partitions the working set under eviction pressure. A copy an engine reports that this
-//! router did not place (traffic past the gateway) counts as missing here while another worker
-//! holds the router's own placement: refreshing it keeps a second copy alive, which costs the
-//! same room, and the gateway's traffic would otherwise spread over every stray copy.
+//! router did not place (traffic past the gateway) counts as missing here while another
+//! worker's engine still holds the router's own placement (`Candidate::placed_tokens`):
+//! refreshing it keeps a second copy alive, which costs the same room, and the gateway's
+//! traffic would otherwise spread over every stray copy.
 //!   duplicate = s * blocks confirmed cached on another worker but not here
 //!                 * (copy_weight + duplicate_weight * indexed blocks / kv_blocks)
 
