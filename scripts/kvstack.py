@@ -873,6 +873,44 @@ def stop_group(proc: subprocess.Popen, grace: float) -> None:
     proc.group_ended = True
 
 
+class VllmEventTap:
+    """A second subscriber to the engines' KV events (scripts/vllm_event_tap.py, run by vLLM's own
+    Python), recording every batch with the engine's stamp, for a test that checks a decision
+    against what the engine did around it. A context manager: the tap ends with the block."""
+
+    def __init__(self, workers: list[Worker], path: str):
+        self.workers = workers
+        self.path = path
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VllmEventTap":
+        paths = vllm_paths()
+        if paths is None:
+            raise RuntimeError("vLLM is not installed: run scripts/vllm_install.sh (make vllm)")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_event_tap.py")
+        self.proc = subprocess.Popen([paths[0], script, self.path] + [f"{w.name}={w.kv_events}" for w in self.workers],
+                                     start_new_session=True)
+        # A SUB socket misses what is published before it has connected: wait for the file,
+        # written once the sockets are set up, then a little for the connections.
+        deadline = time.time() + 30
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"vllm_event_tap did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            # Events of the last requests' steps arrive within one step of their end.
+            time.sleep(0.5)
+            stop_group(self.proc, grace=0.0)
+
+    def batches(self) -> list[dict]:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
 def engine_port() -> int:
     """A free port for an engine, below the kernel's ephemeral range (32768 and up): vLLM binds
     its sockets tens of seconds after the port is picked, and a port from the ephemeral range

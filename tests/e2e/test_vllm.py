@@ -37,6 +37,7 @@ from kvstack import (  # noqa: E402
     VLLM_SITE,
     Relay,
     Stack,
+    VllmEventTap,
     VllmWorker,
     request,
     sse_usage,
@@ -185,31 +186,70 @@ def test_chat_turn_lands_where_the_previous_turn_is_cached(fleet):
               f"mean {sum(shares) / len(shares):.1%} over {len(shares)} turns")
 
 
+def evicted_documents(batches: list[dict], docs: list[list[int]]) -> dict[tuple[str, int], list[float]]:
+    """(worker, document index) -> the engine's stamps of the event batches that removed any of
+    that document's blocks there, from an event tap's record (blocks named by the token ids
+    their BlockStored events carried)."""
+    doc_of = {tuple(d[i * BLOCK:(i + 1) * BLOCK]): n for n, d in enumerate(docs) for i in range(len(d) // BLOCK)}
+    block_doc = {}
+    out: dict[tuple[str, int], list[float]] = {}
+    for b in batches:
+        for e in b["e"]:
+            if e[0] == "S":
+                for i, h in enumerate(e[1]):
+                    n = doc_of.get(tuple(e[2][i * BLOCK:(i + 1) * BLOCK]))
+                    if n is not None:
+                        block_doc[h] = n
+            elif e[0] == "R":
+                for n in {block_doc[h] for h in e[1] if h in block_doc}:
+                    out.setdefault((b["w"], n), []).append(b["ts"])
+    return out
+
+
 def test_precise_prediction_matches_the_engine_under_eviction(fleet):
     """Documents total twice the fleet's KV (36 of 16 blocks against 3 x 96), Zipf popularity,
-    two clients at a time: per request, kvroute's predicted cached tokens against vLLM's."""
+    two clients at a time: per request, kvroute's predicted cached tokens against vLLM's.
+
+    A prediction can be right when it is made and wrong when the engine schedules the request:
+    the other client's request, queued there first, allocates and evicts the document, and vLLM
+    publishes that only after the step (0.1-1.3 s after the decision, measured on a loaded
+    2-core host: 1.3 % of requests locally, 5.3 % on a slow CI host). An event tap beside the
+    relay tells those apart: a miss is the engine's when it evicted that document from that
+    worker while the request was in flight; any other miss is the router's."""
     docs = [tokens(1000 + d, 16 * BLOCK) for d in range(36)]
     rng = random.Random(5)
     order = rng.choices(range(len(docs)), [1 / (i + 1) for i in range(len(docs))], k=150)
     removed_before = relay_metric(fleet, "kvroute_relay_blocks_removed_total")
-    with gateway(fleet, precise=True) as s:
-        def one(k: int) -> tuple[int, int]:
+    tap = VllmEventTap(fleet.workers, os.path.join(fleet.dir, "eviction-test-events.jsonl"))
+    with tap, gateway(fleet, precise=True) as s:
+        def one(k: int) -> dict:
+            sent = time.time()
             r = complete(s, docs[order[k]] + tokens(5000 + k, 2 * BLOCK))
-            return r["predicted"], r["cached"]
+            return {"doc": order[k], "worker": r["worker"], "sent": sent, "done": time.time(),
+                    "predicted": r["predicted"], "cached": r["cached"]}
 
         with ThreadPoolExecutor(2) as ex:
             res = list(ex.map(one, range(len(order))))
         st = s.stats()
-    within = sum(abs(p - c) <= BLOCK for p, c in res) / len(res)
-    hits = sum(c for _, c in res) / sum(18 * BLOCK for _ in res)
+    evicted = evicted_documents(tap.batches(), docs)
+    misses = [r for r in res if abs(r["predicted"] - r["cached"]) > BLOCK]
+    engines = [r for r in misses
+               if any(r["sent"] <= ts <= r["done"] for ts in evicted.get((r["worker"], r["doc"]), []))]
+    routers = [r for r in misses if r not in engines]
+    within = 1 - len(misses) / len(res)
+    hits = sum(r["cached"] for r in res) / sum(18 * BLOCK for _ in res)
     removed = relay_metric(fleet, "kvroute_relay_blocks_removed_total") - removed_before
     m = assert_relay_decoded_everything(fleet)
-    misses = [(p, c) for p, c in res if abs(p - c) > BLOCK]
     print(f"\nprecise: {within:.1%} of {len(res)} requests within one block of vLLM's cached_tokens "
-          f"(engine hit rate {hits:.1%}); {removed:.0f} blocks evicted; relay {m}; misses {misses[:10]}")
+          f"(engine hit rate {hits:.1%}); misses evicted by the engine while in flight {len(engines)}, "
+          f"others {len(routers)}; {removed:.0f} blocks evicted; relay {m}; "
+          f"misses {[(r['predicted'], r['cached']) for r in misses][:10]}")
     assert removed > 0, "no eviction happened: the test would not test eviction"
     assert st.get("kvroute_precise_blocks_removed_total", 0) > 0, st
-    assert within >= 0.95, misses
+    assert evicted, "the event tap saw no document evicted: it would not tell misses apart"
+    # Right when made: at most 2 % (3 of 150) wrong on the engine's own account of that moment.
+    assert len(routers) <= 0.02 * len(res), routers
+    assert within >= 0.9, misses
 
 
 def test_reset_prefix_cache_empties_that_workers_entries(fleet):
