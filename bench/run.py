@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvbench.config import PRESETS  # noqa: E402  (the package puts scripts/ on the path)
+from kvbench.goodput import rnd  # noqa: E402
 from kvbench.paths import ROOT  # noqa: E402
 from kvbench.policies import DEFAULT_POLICIES, POLICIES, expand_replicas  # noqa: E402
 from kvbench.report import report_only  # noqa: E402
@@ -84,9 +85,10 @@ def main():
     base = dict(PRESETS[a.preset])
     overrides = {}
     if a.speeds:
-        overrides["speeds"] = [float(x) for x in a.speeds.split(",")]
+        # At the precision runs are keyed by, so the main load names a run that exists.
+        overrides["speeds"] = [rnd(float(x)) for x in a.speeds.split(",")]
     if a.main_speed:
-        overrides["main_speed"] = a.main_speed
+        overrides["main_speed"] = rnd(a.main_speed)
     if a.slo:
         overrides["slo_s"] = a.slo
     if a.slos:
