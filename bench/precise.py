@@ -65,7 +65,7 @@ FAILURES = {
 }
 FAIL_SCENARIO = "docqa"
 # What "ahead" means where predictions fail: at least this much more of the prompt tokens
-# served from cache (and beyond the seeds' own hit spread).
+# served from cache (and beyond the repeats' own hit spread).
 LEAD_HIT = 0.02
 # Repeat k's load: the case's times 1 + LOAD_STEP x (1, -1, 2, -2, ...)[k - 1].
 LOAD_STEP = 0.03
@@ -262,10 +262,14 @@ def verdicts(state, allc):
             miss = slower + ([] if ahead else [f"hit lead {hit_lead:+.3f} < {need:.3f}, TTFT not faster"])
             status = "missed (" + "; ".join(miss) + ")" if miss else "met"
         rows.append(dict(case=name, kind=case["kind"], seeds=len(by["predicted"].get("ttft_p90", [])),
-                         predicted=P, precise=Q, ratio=ratio, p90_range="; ".join(
-                             f"{fmt(min(by[m]['ttft_p90']))}-{fmt(max(by[m]['ttft_p90']))}" for m in ("predicted", "precise")), hit_lead=hit_lead, status=status,
+                         predicted=P, precise=Q, ratio=ratio, p90_range=p90_range(by), hit_lead=hit_lead, status=status,
                          recovery=recoveries(state, name)))
     return b, rows
+
+
+def p90_range(by):
+    """Each mode's lowest and highest TTFT p90 over the repeats: `predicted; precise`."""
+    return "; ".join(f"{fmt(min(by[m]['ttft_p90']))}-{fmt(max(by[m]['ttft_p90']))}" for m in ("predicted", "precise"))
 
 
 def recoveries(state, name):

@@ -44,6 +44,14 @@ def test_no_worse_is_judged_against_the_seeds_spread():
     assert rows["burst-4w"]["status"] == "not measured"
 
 
+def test_repeats_move_the_load_both_ways_and_the_table_shows_each_modes_range():
+    # The seed moves tie-breaks only; the load moves the arrival times, alike for both modes.
+    assert [round(precise.load_factor(k), 4) for k in range(5)] == [1.0, 1.03, 0.97, 1.06, 0.94]
+    st = state({"docqa-8w": [(cells(1.0, 2.0, 0.5), cells(1.0, 2.5, 0.5)), (cells(1.0, 2.2, 0.5), cells(1.0, 2.4, 0.5))]})
+    _, rows = rows_of(st)
+    assert rows["docqa-8w"]["p90_range"] == "2.000-2.200; 2.400-2.500"
+
+
 def test_failure_cases_need_a_hit_lead_and_no_slower_ttft():
     aa = {"docqa-8w": [(cells(1.0, 2.0, 0.5), cells(1.0, 2.0, 0.5)), (cells(1.0, 2.0, 0.501), cells(1.0, 2.0, 0.5))]}
     lead = [(cells(1.0, 2.0, 0.60), cells(0.9, 1.8, 0.70))] * 2
