@@ -112,7 +112,7 @@ def run_one(name, sub, case, seed):
         sets["count"] = max(100, round(sc["heldout"]["count"] * w / BASE_WORKERS))
     cmd = [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--preset", "quick", "--scenario", case["scenario"],
            "--split", "heldout", "--policies", ",".join(case["policies"]), "--no-overhead", "--name", sub,
-           "--speeds", f"{load:.3g}", "--replicas", str(case["replicas"])]
+           "--speeds", f"{load:g}", "--replicas", str(case["replicas"])]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={json.dumps(v)}"]
     t0 = time.time()
